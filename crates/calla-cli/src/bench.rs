@@ -1,0 +1,8 @@
+//! `calla bench` (being built; see the issue tracker).
+
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> anyhow::Result<()> {
+    anyhow::bail!("calla bench is not built yet")
+}

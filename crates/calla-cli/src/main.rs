@@ -1,0 +1,58 @@
+//! `calla`: one binary, one subcommand per file.
+
+mod bench;
+mod chat;
+mod generate;
+mod inspect;
+mod serve;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "calla",
+    version,
+    about = "Fast inference for the Qwen3.5/3.6 hybrid MoE family"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Describe a checkpoint: architecture, formats, parameter and byte counts, ignored tensors.
+    Inspect(inspect::Args),
+    /// Generate a continuation of a prompt.
+    Generate(generate::Args),
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(serve::Args),
+    /// Chat in the terminal.
+    Chat(chat::Args),
+    /// Benchmark prefill and decode.
+    Bench(bench::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect(args) => inspect::run(args),
+        Command::Generate(args) => generate::run(args),
+        Command::Serve(args) => serve::run(args),
+        Command::Chat(args) => chat::run(args),
+        Command::Bench(args) => bench::run(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

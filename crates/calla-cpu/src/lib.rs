@@ -1,0 +1,1 @@
+//! The CPU reference engine (see crates/calla-cpu/README or docs/architecture.md).

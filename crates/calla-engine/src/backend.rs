@@ -1,0 +1,74 @@
+//! The backend boundary: "run these tokens through the model for this sequence and pick the next token".
+//!
+//! A backend implements the whole forward pass of the family and token selection; nothing above it sees
+//! activations or logits (except through `forward_logits`, which exists for parity tests and tooling).
+
+use std::any::Any;
+
+use calla_model::ModelSpec;
+
+use crate::sampling::SamplingParams;
+
+/// A sequence's state inside a backend: KV cache of attention layers, conv + recurrent state of DeltaNet
+/// layers, and the number of tokens consumed. It is a value: `snapshot` returns an independent copy that can
+/// later replace the live state (prefix caching across chat turns, cancellation).
+pub trait Sequence: Send {
+    /// Tokens consumed so far (the position of the next token).
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// An independent copy of this state.
+    fn snapshot(&self) -> Box<dyn Sequence>;
+    /// Memory the state occupies (host or device), for cache accounting.
+    fn byte_size(&self) -> usize;
+    fn as_any(&self) -> &dyn Any;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// What a step must choose the next token with.
+#[derive(Debug, Clone, Copy)]
+pub struct Selection<'a> {
+    pub params: &'a SamplingParams,
+    /// The prompt's tokens (repetition penalty applies to prompt and output, as in vLLM/HF).
+    pub prompt: &'a [u32],
+    /// Tokens generated so far in this request (presence/frequency penalties apply to these).
+    pub generated: &'a [u32],
+    /// Index of the token being drawn (0 for the first generated token): the RNG draw is keyed by
+    /// (params.seed, step) so every backend draws the same token.
+    pub step: u64,
+    /// How many top log-probabilities to return (0 = none).
+    pub top_logprobs: usize,
+}
+
+/// The chosen token, its log-probability and the top alternatives, all from the log-softmax of the raw
+/// logits of the step that produced it (before penalties, bias, temperature or truncation).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenChoice {
+    pub token: u32,
+    pub logprob: f32,
+    /// best first; `top_logprobs` entries
+    pub top: Vec<(u32, f32)>,
+}
+
+pub trait Backend: Send {
+    fn spec(&self) -> &ModelSpec;
+    /// "cpu", "cuda:0 (NVIDIA H200)", … for logs.
+    fn describe(&self) -> String;
+    /// A fresh, empty sequence state.
+    fn new_sequence(&mut self) -> anyhow::Result<Box<dyn Sequence>>;
+    /// Run `tokens` (a prompt, a prompt suffix, or the last chosen token) through the model at the
+    /// sequence's position, and choose the next token.
+    fn step(
+        &mut self,
+        seq: &mut dyn Sequence,
+        tokens: &[u32],
+        sel: &Selection,
+    ) -> anyhow::Result<TokenChoice>;
+    /// Run `tokens` and return the raw f32 logits of the last position. For parity tests and tools.
+    fn forward_logits(
+        &mut self,
+        seq: &mut dyn Sequence,
+        tokens: &[u32],
+    ) -> anyhow::Result<Vec<f32>>;
+}

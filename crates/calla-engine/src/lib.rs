@@ -1,0 +1,8 @@
+//! calla-engine: what every backend implements ([`Backend`]), the backend-neutral sampling rules
+//! ([`SamplingParams`]), and the generation loop built on them.
+
+pub mod backend;
+pub mod sampling;
+
+pub use backend::{Backend, Selection, Sequence, TokenChoice};
+pub use sampling::SamplingParams;

@@ -1,0 +1,18 @@
+//! calla-model: the checkpoint described once.
+//!
+//! `config` turns a checkpoint's config.json (HF wrapper, flat text config, qwen3_next, MLX) into a
+//! validated [`ModelSpec`]; `weights` maps tensor names of every checkpoint style onto one canonical
+//! [`Weights`] tree whose matrices stay in their stored format ([`Matrix`]); `tokenizer` wraps the
+//! `tokenizers` crate with an incremental, UTF-8-safe detokenizer. Nothing here knows about CPUs or GPUs:
+//! backends receive a `ModelSpec` + `Weights` and repack them as they like.
+
+pub mod matrix;
+pub mod spec;
+pub mod weights;
+
+pub use matrix::{Blob, DType, Matrix, MatrixData};
+pub use spec::{Family, FeedForwardSpec, LayerKind, ModelSpec};
+pub use weights::{
+    AttentionWeights, DeltaNetWeights, FeedForwardWeights, LayerWeights, MixerWeights, MlpWeights,
+    MoeWeights, Weights,
+};
