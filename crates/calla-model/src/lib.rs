@@ -6,6 +6,7 @@
 //! `tokenizers` crate with an incremental, UTF-8-safe detokenizer. Nothing here knows about CPUs or GPUs:
 //! backends receive a `ModelSpec` + `Weights` and repack them as they like.
 
+pub mod config;
 pub mod matrix;
 pub mod spec;
 pub mod weights;
