@@ -2,6 +2,7 @@
 //! ([`SamplingParams`]), and the generation loop built on them.
 
 pub mod backend;
+pub mod generate;
 pub mod sampling;
 
 pub use backend::{Backend, Selection, Sequence, TokenChoice};

@@ -7,6 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::backend::{Selection, TokenChoice};
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
     /// 0 = greedy
@@ -53,3 +55,224 @@ impl SamplingParams {
         self.temperature <= 0.0
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// The reference sampler. Every backend's selection must equal `select_token` on the same logits.
+
+/// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; the Random123
+/// and cuRAND generator): 10 rounds over a 128-bit counter with a 64-bit key.
+pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    const M0: u64 = 0xD251_1F53;
+    const M1: u64 = 0xCD9E_8D57;
+    const W0: u32 = 0x9E37_79B9;
+    const W1: u32 = 0xBB67_AE85;
+    let (mut c, mut k) = (counter, key);
+    for round in 0..10 {
+        if round > 0 {
+            k = [k[0].wrapping_add(W0), k[1].wrapping_add(W1)];
+        }
+        let p0 = M0 * c[0] as u64;
+        let p1 = M1 * c[2] as u64;
+        let (hi0, lo0) = ((p0 >> 32) as u32, p0 as u32);
+        let (hi1, lo1) = ((p1 >> 32) as u32, p1 as u32);
+        c = [hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0];
+    }
+    c
+}
+
+/// The uniform draw of step `step` under `seed`, in [0, 1). Exact recipe (GPU backends replicate it):
+/// key = [seed as u32, (seed >> 32) as u32], counter = [step as u32, (step >> 32) as u32, 0, 0],
+/// r = philox4x32_10(counter, key)[0], u = (r >> 8) as f32 · 2⁻²⁴ (exact: 24 bits fit an f32).
+pub fn uniform(seed: u64, step: u64) -> f32 {
+    let r = philox4x32_10(
+        [step as u32, (step >> 32) as u32, 0, 0],
+        [seed as u32, (seed >> 32) as u32],
+    );
+    (r[0] >> 8) as f32 * (1.0 / (1u32 << 24) as f32)
+}
+
+/// NaN counts as −∞ everywhere below, so a broken logit can never be chosen over a finite one.
+fn sanitise(x: f32) -> f32 {
+    if x.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        x
+    }
+}
+
+/// Index of the largest value, ties to the lowest index (0 when all are −∞).
+fn argmax(values: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, v) in values.iter().enumerate() {
+        if *v > values[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// log Σ exp(x) (NaN as −∞).
+fn log_sum_exp(values: &[f32]) -> f32 {
+    let max = values
+        .iter()
+        .map(|v| sanitise(*v))
+        .fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return max;
+    }
+    let sum: f32 = values.iter().map(|v| (sanitise(*v) - max).exp()).sum();
+    max + sum.ln()
+}
+
+/// The `n` best ids by (value descending, id ascending).
+fn best_ids(values: &[f32], n: usize) -> Vec<u32> {
+    let by_rank = |a: &u32, b: &u32| {
+        sanitise(values[*b as usize])
+            .total_cmp(&sanitise(values[*a as usize]))
+            .then(a.cmp(b))
+    };
+    let mut ids: Vec<u32> = (0..values.len() as u32).collect();
+    let n = n.min(ids.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    if n < ids.len() {
+        ids.select_nth_unstable_by(n - 1, by_rank);
+        ids.truncate(n);
+    }
+    ids.sort_unstable_by(by_rank);
+    ids
+}
+
+/// The raw logits after logit_bias, the repetition penalty (prompt + output) and the presence and
+/// frequency penalties (output): steps 1–3 of the order in this file's header. NaN becomes −∞.
+pub fn adjusted_logits(logits: &[f32], sel: &Selection) -> Vec<f32> {
+    let p = sel.params;
+    let v = logits.len();
+    let mut z: Vec<f32> = logits.iter().map(|x| sanitise(*x)).collect();
+    for (id, bias) in &p.logit_bias {
+        if let Some(x) = z.get_mut(*id as usize) {
+            *x += bias;
+        }
+    }
+    if p.repetition_penalty != 1.0 {
+        let mut seen = vec![false; v];
+        for id in sel.prompt.iter().chain(sel.generated) {
+            if let Some(s) = seen.get_mut(*id as usize) {
+                *s = true;
+            }
+        }
+        for (x, s) in z.iter_mut().zip(&seen) {
+            if *s {
+                *x = if *x > 0.0 {
+                    *x / p.repetition_penalty
+                } else {
+                    *x * p.repetition_penalty
+                };
+            }
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        let mut counts = std::collections::BTreeMap::<u32, u32>::new();
+        for id in sel.generated {
+            *counts.entry(*id).or_default() += 1;
+        }
+        for (id, count) in counts {
+            if let Some(x) = z.get_mut(id as usize) {
+                *x -= p.presence_penalty + p.frequency_penalty * count as f32;
+            }
+        }
+    }
+    z
+}
+
+/// Choose the next token (see the header for the order), and report its log-probability and the
+/// `sel.top_logprobs` best alternatives from the log-softmax of the RAW logits.
+///
+/// Sampling, exactly (temperature > 0), over z = adjusted_logits / temperature:
+/// 1. kept = ids with finite z.
+/// 2. top-k (0 < k < |kept|): keep the k best by (z descending, id ascending).
+/// 3. top-p (< 1): p = softmax of z over kept (sum in ascending id order); walk kept by (p descending,
+///    id ascending) and keep each id whose preceding cumulative p (f32, in that order) is < top_p.
+/// 4. min-p (> 0): keep ids with exp(z − z_max) ≥ min_p (p ≥ min_p · p_max).
+/// 5. w_i = exp(z_i − z_max) over kept in ascending id order, total = Σ w (f32, that order),
+///    target = uniform(seed, step) · total; the first id whose running sum exceeds target is drawn
+///    (the last kept id if rounding leaves none).
+pub fn select_token(logits: &[f32], sel: &Selection) -> TokenChoice {
+    let p = sel.params;
+    let lse = log_sum_exp(logits);
+    let logprob = |id: u32| sanitise(logits[id as usize]) - lse;
+    let top = best_ids(logits, sel.top_logprobs)
+        .into_iter()
+        .map(|id| (id, logprob(id)))
+        .collect();
+
+    let z = adjusted_logits(logits, sel);
+    let token = if p.is_greedy() {
+        argmax(&z) as u32
+    } else {
+        sample(&z, p, sel.step).unwrap_or_else(|| argmax(&z) as u32)
+    };
+    TokenChoice {
+        token,
+        logprob: logprob(token),
+        top,
+    }
+}
+
+/// Steps 1–5 of `select_token`'s sampling; None when no token has a finite logit.
+fn sample(adjusted: &[f32], p: &SamplingParams, step: u64) -> Option<u32> {
+    let z: Vec<f32> = adjusted.iter().map(|x| x / p.temperature).collect();
+    let mut kept: Vec<u32> = (0..z.len() as u32)
+        .filter(|i| z[*i as usize].is_finite())
+        .collect();
+    if kept.is_empty() {
+        return None;
+    }
+    let by_rank = |a: &u32, b: &u32| z[*b as usize].total_cmp(&z[*a as usize]).then(a.cmp(b));
+    if p.top_k > 0 && p.top_k < kept.len() {
+        kept.select_nth_unstable_by(p.top_k - 1, by_rank);
+        kept.truncate(p.top_k);
+        kept.sort_unstable();
+    }
+    let z_max = kept
+        .iter()
+        .map(|i| z[*i as usize])
+        .fold(f32::NEG_INFINITY, f32::max);
+    if p.top_p < 1.0 {
+        let total: f32 = kept.iter().map(|i| (z[*i as usize] - z_max).exp()).sum();
+        let mut ranked = kept.clone();
+        ranked.sort_unstable_by(by_rank);
+        let mut cumulative = 0f32;
+        let mut keep = Vec::new();
+        for id in ranked {
+            if cumulative >= p.top_p {
+                break;
+            }
+            cumulative += (z[id as usize] - z_max).exp() / total;
+            keep.push(id);
+        }
+        keep.sort_unstable();
+        kept = keep;
+    }
+    if p.min_p > 0.0 {
+        kept.retain(|i| (z[*i as usize] - z_max).exp() >= p.min_p);
+    }
+    let weights: Vec<f32> = kept
+        .iter()
+        .map(|i| (z[*i as usize] - z_max).exp())
+        .collect();
+    let total: f32 = weights.iter().sum();
+    let target = uniform(p.seed, step) * total;
+    let mut running = 0f32;
+    for (id, w) in kept.iter().zip(&weights) {
+        running += w;
+        if running > target {
+            return Some(*id);
+        }
+    }
+    kept.last().copied()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,295 @@
+//! The generation loop for one request on any backend: prompt → first token → one token at a time.
+//!
+//! Stop tokens (as vLLM and the OpenAI API treat EOS): the token that ends generation — one of
+//! `stop_token_ids`, or of the model's EOS ids unless `ignore_eos` — is NOT part of the output: it is
+//! not in `tokens` or `choices`, it is not passed to the callback, and so never reaches text. It is
+//! reported in `GenerateOutput::stop_token` and counts towards `max_tokens` (it was generated).
+//! `ignore_eos` drops only the model's EOS ids; explicit `stop_token_ids` still stop (vLLM semantics).
+//!
+//! The callback sees each emitted token as soon as it is chosen; returning `ControlFlow::Break(())`
+//! ends generation after that token with `FinishReason::Stop` (a stop string seen by the caller, or a
+//! cancelled request).
+
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+use anyhow::{ensure, Result};
+
+use crate::backend::{Backend, Selection, TokenChoice};
+use crate::sampling::SamplingParams;
+
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (the stop token included).
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Extra stop tokens, on top of the model's EOS ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Do not stop on the model's EOS ids.
+    pub ignore_eos: bool,
+    /// Top log-probabilities to return per token (0 = none).
+    pub top_logprobs: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `max_tokens` reached.
+    Length,
+    /// A stop token, or the callback asked to stop.
+    Stop,
+}
+
+impl FinishReason {
+    /// The OpenAI spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timings {
+    /// Seconds from the start to the first token chosen (the prompt's forward pass).
+    pub prefill_s: f64,
+    /// Seconds for every later token.
+    pub decode_s: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateOutput {
+    /// Emitted tokens, stop token excluded.
+    pub tokens: Vec<u32>,
+    /// One per emitted token, with its log-probability and alternatives.
+    pub choices: Vec<TokenChoice>,
+    pub finish_reason: FinishReason,
+    /// The stop token that ended generation, if one did.
+    pub stop_token: Option<TokenChoice>,
+    pub prompt_tokens: usize,
+    pub timings: Timings,
+}
+
+impl GenerateOutput {
+    /// Tokens generated, the stop token included (the OpenAI `completion_tokens`).
+    pub fn completion_tokens(&self) -> usize {
+        self.tokens.len() + usize::from(self.stop_token.is_some())
+    }
+}
+
+/// Generate for `req` on `backend`, calling `on_token` with each emitted token.
+pub fn generate(
+    backend: &mut dyn Backend,
+    req: &GenerateRequest,
+    mut on_token: impl FnMut(&TokenChoice) -> ControlFlow<()>,
+) -> Result<GenerateOutput> {
+    ensure!(
+        !req.prompt.is_empty(),
+        "the prompt is empty (this model family has no BOS token)"
+    );
+    let mut stop_ids = req.stop_token_ids.clone();
+    if !req.ignore_eos {
+        stop_ids.extend(&backend.spec().eos_token_ids);
+    }
+    let mut out = GenerateOutput {
+        tokens: Vec::new(),
+        choices: Vec::new(),
+        finish_reason: FinishReason::Length,
+        stop_token: None,
+        prompt_tokens: req.prompt.len(),
+        timings: Timings::default(),
+    };
+    if req.max_tokens == 0 {
+        return Ok(out);
+    }
+
+    let start = Instant::now();
+    let mut seq = backend.new_sequence()?;
+    let mut input: Vec<u32> = req.prompt.clone();
+    for step in 0..req.max_tokens {
+        let sel = Selection {
+            params: &req.sampling,
+            prompt: &req.prompt,
+            generated: &out.tokens,
+            step: step as u64,
+            top_logprobs: req.top_logprobs,
+        };
+        let choice = backend.step(seq.as_mut(), &input, &sel)?;
+        if step == 0 {
+            out.timings.prefill_s = start.elapsed().as_secs_f64();
+        }
+        if stop_ids.contains(&choice.token) {
+            out.stop_token = Some(choice);
+            out.finish_reason = FinishReason::Stop;
+            break;
+        }
+        out.tokens.push(choice.token);
+        let flow = on_token(&choice);
+        input = vec![choice.token];
+        out.choices.push(choice);
+        if flow.is_break() {
+            out.finish_reason = FinishReason::Stop;
+            break;
+        }
+    }
+    out.timings.decode_s = start.elapsed().as_secs_f64() - out.timings.prefill_s;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Sequence;
+    use calla_model::{Family, FeedForwardSpec, ModelSpec};
+    use std::any::Any;
+
+    /// A backend whose greedy next token is (last input + 1) mod V, recording what it was asked to run.
+    struct Counter {
+        spec: ModelSpec,
+        calls: Vec<Vec<u32>>,
+    }
+    struct Pos(usize);
+    impl Sequence for Pos {
+        fn len(&self) -> usize {
+            self.0
+        }
+        fn snapshot(&self) -> Box<dyn Sequence> {
+            Box::new(Pos(self.0))
+        }
+        fn byte_size(&self) -> usize {
+            8
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn as_any_mut(&mut self) -> &mut dyn Any {
+            self
+        }
+    }
+    impl Backend for Counter {
+        fn spec(&self) -> &ModelSpec {
+            &self.spec
+        }
+        fn describe(&self) -> String {
+            "counter".into()
+        }
+        fn new_sequence(&mut self) -> Result<Box<dyn Sequence>> {
+            Ok(Box::new(Pos(0)))
+        }
+        fn step(
+            &mut self,
+            seq: &mut dyn Sequence,
+            tokens: &[u32],
+            sel: &Selection,
+        ) -> Result<TokenChoice> {
+            let logits = self.forward_logits(seq, tokens)?;
+            Ok(crate::sampling::select_token(&logits, sel))
+        }
+        fn forward_logits(&mut self, seq: &mut dyn Sequence, tokens: &[u32]) -> Result<Vec<f32>> {
+            self.calls.push(tokens.to_vec());
+            seq.as_any_mut().downcast_mut::<Pos>().unwrap().0 += tokens.len();
+            let v = self.spec.vocab_size;
+            let next = (*tokens.last().unwrap() as usize + 1) % v;
+            Ok((0..v)
+                .map(|i| if i == next { 5.0 } else { -(i as f32) * 0.01 })
+                .collect())
+        }
+    }
+
+    fn counter() -> Counter {
+        Counter {
+            spec: ModelSpec {
+                family: Family::Qwen35Moe,
+                vocab_size: 16,
+                hidden_size: 8,
+                layers: vec![],
+                rms_norm_eps: 1e-6,
+                num_attention_heads: 1,
+                num_key_value_heads: 1,
+                head_dim: 8,
+                rotary_dim: 2,
+                rope_theta: 1e4,
+                attn_output_gate: true,
+                linear_num_key_heads: 1,
+                linear_num_value_heads: 1,
+                linear_key_head_dim: 8,
+                linear_value_head_dim: 8,
+                linear_conv_kernel_dim: 4,
+                feed_forward: FeedForwardSpec::Dense { intermediate: 8 },
+                tie_word_embeddings: false,
+                max_position_embeddings: 64,
+                eos_token_ids: vec![9],
+            },
+            calls: vec![],
+        }
+    }
+
+    fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+        GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            stop_token_ids: vec![],
+            ignore_eos: false,
+            top_logprobs: 2,
+        }
+    }
+
+    #[test]
+    fn runs_prompt_once_then_one_token_at_a_time_and_stops_at_eos_without_emitting_it() {
+        let mut b = counter();
+        let mut streamed = vec![];
+        let out = generate(&mut b, &request(vec![3, 4, 5], 10), |c| {
+            streamed.push(c.token);
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        assert_eq!(out.tokens, [6, 7, 8]);
+        assert_eq!(streamed, out.tokens);
+        assert_eq!(out.finish_reason, FinishReason::Stop);
+        assert_eq!(out.stop_token.as_ref().unwrap().token, 9);
+        assert_eq!(out.completion_tokens(), 4);
+        assert_eq!(b.calls, vec![vec![3, 4, 5], vec![6], vec![7], vec![8]]);
+        assert_eq!(out.choices.len(), 3);
+        assert_eq!(out.choices[0].top.len(), 2);
+    }
+
+    #[test]
+    fn ignore_eos_runs_to_length_but_explicit_stop_ids_still_stop() {
+        let mut b = counter();
+        let mut req = request(vec![7], 5);
+        req.ignore_eos = true;
+        let out = generate(&mut b, &req, |_| ControlFlow::Continue(())).unwrap();
+        assert_eq!(out.tokens, [8, 9, 10, 11, 12]);
+        assert_eq!(out.finish_reason, FinishReason::Length);
+        req.stop_token_ids = vec![11];
+        let out = generate(&mut b, &req, |_| ControlFlow::Continue(())).unwrap();
+        assert_eq!(out.tokens, [8, 9, 10]);
+        assert_eq!(out.finish_reason, FinishReason::Stop);
+    }
+
+    #[test]
+    fn callback_break_stops_after_that_token() {
+        let mut b = counter();
+        let out = generate(&mut b, &request(vec![0], 8), |c| {
+            if c.token == 2 {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })
+        .unwrap();
+        assert_eq!(out.tokens, [1, 2]);
+        assert_eq!(out.finish_reason, FinishReason::Stop);
+    }
+
+    #[test]
+    fn empty_prompt_is_an_error_and_zero_max_tokens_runs_nothing() {
+        let mut b = counter();
+        assert!(generate(&mut b, &request(vec![], 3), |_| ControlFlow::Continue(())).is_err());
+        let out = generate(&mut b, &request(vec![1], 0), |_| ControlFlow::Continue(())).unwrap();
+        assert!(out.tokens.is_empty() && b.calls.is_empty());
+        assert_eq!(out.finish_reason, FinishReason::Length);
+    }
+}
