@@ -41,7 +41,7 @@ fn config_error(
 }
 
 /// `eos_token_id` is a scalar in some configs and a list in others.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
 #[serde(untagged)]
 pub enum TokenIds {
     One(u32),
@@ -176,7 +176,7 @@ impl QuantizationBlock {
                 "only MLX affine quantisation is supported",
             ));
         }
-        check_quant_params(&format!("{field}"), bits, group_size)?;
+        check_quant_params(field, bits, group_size)?;
         let mut overrides = BTreeMap::new();
         for (key, v) in obj {
             if matches!(key.as_str(), "group_size" | "bits" | "mode") {

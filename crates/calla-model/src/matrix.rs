@@ -31,7 +31,17 @@ impl Blob {
         Blob { owner, start, len }
     }
     pub fn from_f32(values: &[f32]) -> Self {
-        Self::from_vec(bytemuck::cast_slice(values).to_vec())
+        Self::from_pod_vec(values.to_vec())
+    }
+    /// Take ownership of a vector of plain values (u32 codes, bf16 scales, f32 …) without copying;
+    /// the bytes keep the element type's alignment, so backends may view them as `&[T]`.
+    pub fn from_pod_vec<T: bytemuck::Pod + Send + Sync>(values: Vec<T>) -> Self {
+        let len = std::mem::size_of_val(values.as_slice());
+        Blob {
+            owner: Arc::new(PodVec(values)),
+            start: 0,
+            len,
+        }
     }
     pub fn bytes(&self) -> &[u8] {
         &(*self.owner).as_ref()[self.start..self.start + self.len]
@@ -50,6 +60,15 @@ impl Blob {
             start: self.start + start,
             len,
         }
+    }
+}
+
+/// A `Vec<T>` seen as bytes (owner of a [`Blob`]).
+struct PodVec<T>(Vec<T>);
+
+impl<T: bytemuck::Pod> AsRef<[u8]> for PodVec<T> {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
     }
 }
 
@@ -207,6 +226,153 @@ impl Matrix {
                 }
             }
         }
+    }
+
+    /// Bytes one row occupies in each blob of this format: (data or codes, scales, biases).
+    fn row_bytes(&self) -> (usize, usize) {
+        match &self.data {
+            MatrixData::Dense { dtype, .. } => (self.cols * dtype.size(), 0),
+            MatrixData::Affine {
+                bits,
+                group_size,
+                param_dtype,
+                ..
+            } => (
+                self.cols * *bits as usize / 8,
+                self.cols / group_size * param_dtype.size(),
+            ),
+        }
+    }
+
+    /// Rows `[start, start + count)` as a matrix sharing this one's bytes (no copy). Used for
+    /// per-expert views into stacked expert tensors and the gate/up halves of a fused gate_up_proj.
+    pub fn rows_view(&self, start: usize, count: usize) -> Matrix {
+        assert!(start + count <= self.rows, "rows_view out of bounds");
+        let (row, param_row) = self.row_bytes();
+        let data = match &self.data {
+            MatrixData::Dense { dtype, data } => MatrixData::Dense {
+                dtype: *dtype,
+                data: data.slice(start * row, count * row),
+            },
+            MatrixData::Affine {
+                bits,
+                group_size,
+                codes,
+                scales,
+                biases,
+                param_dtype,
+            } => MatrixData::Affine {
+                bits: *bits,
+                group_size: *group_size,
+                codes: codes.slice(start * row, count * row),
+                scales: scales.slice(start * param_row, count * param_row),
+                biases: biases.slice(start * param_row, count * param_row),
+                param_dtype: *param_dtype,
+            },
+        };
+        Matrix {
+            rows: count,
+            cols: self.cols,
+            data,
+        }
+    }
+
+    /// A new matrix whose row `i` is row `order[i]` of this one, in the same format (a copy).
+    pub fn gather_rows(&self, order: &[usize]) -> Matrix {
+        let (row, param_row) = self.row_bytes();
+        let gather = |blob: &Blob, width: usize| -> Blob {
+            let bytes = blob.bytes();
+            let mut out = Vec::with_capacity(order.len() * width);
+            for &r in order {
+                assert!(r < self.rows, "gather_rows: row {r} out of {}", self.rows);
+                out.extend_from_slice(&bytes[r * width..(r + 1) * width]);
+            }
+            Blob::from_vec(out)
+        };
+        let data = match &self.data {
+            MatrixData::Dense { dtype, data } => MatrixData::Dense {
+                dtype: *dtype,
+                data: gather(data, row),
+            },
+            MatrixData::Affine {
+                bits,
+                group_size,
+                codes,
+                scales,
+                biases,
+                param_dtype,
+            } => MatrixData::Affine {
+                bits: *bits,
+                group_size: *group_size,
+                codes: gather(codes, row),
+                scales: gather(scales, param_row),
+                biases: gather(biases, param_row),
+                param_dtype: *param_dtype,
+            },
+        };
+        Matrix {
+            rows: order.len(),
+            cols: self.cols,
+            data,
+        }
+    }
+
+    /// Row-concatenation of matrices with the same columns and format (a copy). Panics on mixed
+    /// formats: callers build the parts themselves (test checkpoints, fused-layout writers).
+    pub fn concat_rows(parts: &[&Matrix]) -> Matrix {
+        assert!(!parts.is_empty(), "concat_rows of nothing");
+        let first = parts[0];
+        for m in parts {
+            assert_eq!(m.cols, first.cols, "concat_rows: column mismatch");
+            assert_eq!(
+                m.format_name(),
+                first.format_name(),
+                "concat_rows: mixed formats"
+            );
+        }
+        // Blob `which` of each part: 0 = data/codes, 1 = scales, 2 = biases.
+        let join = |which: usize| -> Blob {
+            let mut out = Vec::new();
+            for m in parts {
+                let blob = match (&m.data, which) {
+                    (MatrixData::Dense { data, .. }, _) => data,
+                    (MatrixData::Affine { codes, .. }, 0) => codes,
+                    (MatrixData::Affine { scales, .. }, 1) => scales,
+                    (MatrixData::Affine { biases, .. }, _) => biases,
+                };
+                out.extend_from_slice(blob.bytes());
+            }
+            Blob::from_vec(out)
+        };
+        let data = match &first.data {
+            MatrixData::Dense { dtype, .. } => MatrixData::Dense {
+                dtype: *dtype,
+                data: join(0),
+            },
+            MatrixData::Affine {
+                bits,
+                group_size,
+                param_dtype,
+                ..
+            } => MatrixData::Affine {
+                bits: *bits,
+                group_size: *group_size,
+                codes: join(0),
+                scales: join(1),
+                biases: join(2),
+                param_dtype: *param_dtype,
+            },
+        };
+        Matrix {
+            rows: parts.iter().map(|m| m.rows).sum(),
+            cols: first.cols,
+            data,
+        }
+    }
+
+    /// Number of weights (rows × cols), whatever the format.
+    pub fn num_params(&self) -> usize {
+        self.rows * self.cols
     }
 
     /// The whole matrix as f32, row-major (tests and load-time conversions only).

@@ -104,3 +104,11 @@ pub struct MoeWeights {
     /// `[1, D]`: the shared expert's output is scaled by sigmoid(shared_expert_gate · x)
     pub shared_expert_gate: Option<Matrix>,
 }
+
+pub mod assemble;
+pub mod export;
+pub mod names;
+pub mod qwen3next;
+pub mod read;
+pub mod stats;
+pub mod store;
