@@ -3,7 +3,9 @@
 
 pub mod backend;
 pub mod generate;
+pub mod prefix_cache;
 pub mod sampling;
+pub mod scheduler;
 
 pub use backend::{Backend, Selection, Sequence, TokenChoice};
 pub use sampling::SamplingParams;
