@@ -159,16 +159,28 @@ fn prepare_tool_calls(index: usize, calls: &Json) -> Result<Json, MessageError> 
         let Some(mut call) = call.as_object().cloned() else {
             return Err(err(param.clone(), format!("{param} must be an object")));
         };
-        let Some(Json::Object(mut function)) = call.get("function").cloned() else {
-            return Err(err(
-                format!("{param}.function"),
-                format!("{param}.function must be an object"),
-            ));
+        // OpenAI nests name and arguments in `function`; transformers also accepts them at the top
+        // level of the call (the template reads `tool_call.function` when it is defined).
+        let wrapped = call.contains_key("function");
+        let mut function = match call.get("function") {
+            Some(Json::Object(function)) => function.clone(),
+            None if call.contains_key("name") => call.clone(),
+            _ => {
+                return Err(err(
+                    format!("{param}.function"),
+                    format!("{param}.function must be an object"),
+                ))
+            }
+        };
+        let param = if wrapped {
+            format!("{param}.function")
+        } else {
+            param
         };
         if !function.get("name").map(Json::is_string).unwrap_or(false) {
             return Err(err(
-                format!("{param}.function.name"),
-                format!("{param}.function.name must be a string"),
+                format!("{param}.name"),
+                format!("{param}.name must be a string"),
             ));
         }
         let arguments = match function.get("arguments") {
@@ -177,14 +189,14 @@ fn prepare_tool_calls(index: usize, calls: &Json) -> Result<Json, MessageError> 
                 Ok(Json::Object(map)) => Json::Object(map),
                 Ok(_) => {
                     return Err(err(
-                        format!("{param}.function.arguments"),
-                        format!("{param}.function.arguments must encode a JSON object"),
+                        format!("{param}.arguments"),
+                        format!("{param}.arguments must encode a JSON object"),
                     ))
                 }
                 Err(e) => {
                     return Err(err(
-                        format!("{param}.function.arguments"),
-                        format!("{param}.function.arguments is not valid JSON: {e}"),
+                        format!("{param}.arguments"),
+                        format!("{param}.arguments is not valid JSON: {e}"),
                     ))
                 }
             },
@@ -192,13 +204,17 @@ fn prepare_tool_calls(index: usize, calls: &Json) -> Result<Json, MessageError> 
             None | Some(Json::Null) => Json::Object(Map::new()),
             Some(_) => {
                 return Err(err(
-                    format!("{param}.function.arguments"),
-                    format!("{param}.function.arguments must be a JSON string"),
+                    format!("{param}.arguments"),
+                    format!("{param}.arguments must be a JSON string"),
                 ))
             }
         };
         function.insert("arguments".into(), arguments);
-        call.insert("function".into(), Json::Object(function));
+        if wrapped {
+            call.insert("function".into(), Json::Object(function));
+        } else {
+            call = function;
+        }
         out.push(Json::Object(call));
     }
     Ok(Json::Array(out))
