@@ -767,7 +767,7 @@ impl ModelConfig {
 }
 
 /// The JSON value at a serde_path_to_error path (for error messages).
-fn value_at<'a>(
+pub(crate) fn value_at<'a>(
     root: &'a serde_json::Value,
     path: &serde_path_to_error::Path,
 ) -> Option<&'a serde_json::Value> {
@@ -784,7 +784,7 @@ fn value_at<'a>(
 }
 
 /// A value shortened for an error message.
-fn short(v: &serde_json::Value) -> String {
+pub(crate) fn short(v: &serde_json::Value) -> String {
     let s = v.to_string();
     if s.len() > 60 {
         format!(

@@ -38,7 +38,7 @@ pub enum LoadError {
     Corrupt { path: PathBuf, detail: String },
 
     #[error(
-        "{path}: truncated: tensor `{tensor}` needs bytes up to {needed} of the file but the file has {found} bytes"
+        "{path}: truncated: its header describes {needed} bytes but the file has {found}; tensor `{tensor}` is the first one cut"
     )]
     Truncated {
         path: PathBuf,

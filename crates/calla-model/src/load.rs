@@ -129,31 +129,41 @@ pub struct LoadedModel {
     pub generation: GenerationDefaults,
 }
 
+/// Read a JSON file (missing file, unreadable file and invalid JSON are distinct errors).
+fn read_json(path: &Path) -> Result<serde_json::Value, LoadError> {
+    let text = std::fs::read_to_string(path).map_err(|e| LoadError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|source| LoadError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 /// Read config.json into its parsed form (also used by tools that need the quantisation block).
 pub fn read_config(dir: &Path) -> Result<ModelConfig, LoadError> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| LoadError::io(&path, e))?;
-    ModelConfig::from_json_str(&text).map_err(|source| LoadError::Config { path, source })
+    let json = read_json(&path)?;
+    ModelConfig::from_json(&json).map_err(|source| LoadError::Config { path, source })
 }
 
 /// generation_config.json; a missing file gives all-None defaults.
 pub fn read_generation_defaults(dir: &Path) -> Result<GenerationDefaults, LoadError> {
     let path = dir.join("generation_config.json");
-    let text = match std::fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Ok(GenerationDefaults::default())
+    if !path.exists() {
+        return Ok(GenerationDefaults::default());
+    }
+    let json = read_json(&path)?;
+    serde_path_to_error::deserialize(&json).map_err(|e| {
+        let value = crate::config::value_at(&json, e.path())
+            .map(crate::config::short)
+            .unwrap_or_else(|| "?".into());
+        LoadError::Config {
+            path: path.clone(),
+            source: crate::config::ConfigError {
+                field: e.path().to_string(),
+                value,
+                problem: e.inner().to_string(),
+            },
         }
-        Err(e) => return Err(LoadError::io(&path, e)),
-    };
-    let mut de = serde_json::Deserializer::from_str(&text);
-    serde_path_to_error::deserialize(&mut de).map_err(|e| LoadError::Config {
-        path: path.clone(),
-        source: crate::config::ConfigError {
-            field: e.path().to_string(),
-            value: "?".into(),
-            problem: e.inner().to_string(),
-        },
     })
 }
 

@@ -351,8 +351,14 @@ fn parse_header(
             continue;
         }
         let info: TensorInfo = serde_json::from_value(value.clone()).map_err(|e| {
+            let detail = match value.get("dtype").and_then(|d| d.as_str()) {
+                Some(d) if serde_json::from_value::<Dtype>(serde_json::json!(d)).is_err() => {
+                    format!("unknown dtype {d:?}")
+                }
+                _ => e.to_string(),
+            };
             corrupt(format!(
-                "header entry for tensor `{name}` is invalid ({e}): {value}"
+                "header entry for tensor `{name}` is invalid ({detail}): {value}"
             ))
         })?;
         let (begin, end) = info.data_offsets;
@@ -372,15 +378,6 @@ fn parse_header(
                 expected_bytes.map_or("an unrepresentable number of".to_string(), |b| b.to_string())
             )));
         }
-        let needed = header_end + end;
-        if needed > map.len() {
-            return Err(LoadError::Truncated {
-                path: path.to_path_buf(),
-                tensor: name,
-                needed,
-                found: map.len(),
-            });
-        }
         entries.push((
             name,
             TensorEntry {
@@ -391,6 +388,26 @@ fn parse_header(
                 len: end - begin,
             },
         ));
+    }
+    // Truncation: name the first tensor (in file order) that runs past the end.
+    let needed = entries
+        .iter()
+        .map(|(_, e)| e.start + e.len)
+        .max()
+        .unwrap_or(header_end);
+    if needed > map.len() {
+        let first_cut = entries
+            .iter()
+            .filter(|(_, e)| e.start + e.len > map.len())
+            .min_by_key(|(_, e)| e.start)
+            .map(|(n, _)| n.clone())
+            .unwrap_or_default();
+        return Err(LoadError::Truncated {
+            path: path.to_path_buf(),
+            tensor: first_cut,
+            needed,
+            found: map.len(),
+        });
     }
     Ok(entries)
 }
