@@ -16,6 +16,7 @@ pub mod matrix;
 pub mod quant;
 pub mod spec;
 pub mod synthetic;
+pub mod tokenizer;
 pub mod weights;
 
 pub use matrix::{Blob, DType, Matrix, MatrixData};
