@@ -225,6 +225,30 @@ fn random_matrix(rows: usize, cols: usize, std: f32, format: Format, key: u64) -
 struct Generator {
     seed: u64,
     quant: Quant,
+    /// Some = placeholder mode: every matrix is a view of this shared zero buffer.
+    zeros: Option<Blob>,
+}
+
+/// A matrix of `format` whose blobs are views of `zeros` (no allocation of its own).
+fn placeholder_matrix(rows: usize, cols: usize, format: Format, zeros: &Blob) -> Matrix {
+    let data = match format {
+        Format::Dense(dtype) => MatrixData::Dense {
+            dtype,
+            data: zeros.slice(0, rows * cols * dtype.size()),
+        },
+        Format::Affine(bits) => {
+            let groups = rows * cols / QUANT_GROUP_SIZE;
+            MatrixData::Affine {
+                bits,
+                group_size: QUANT_GROUP_SIZE,
+                codes: zeros.slice(0, rows * cols * bits as usize / 8),
+                scales: zeros.slice(0, groups * 2),
+                biases: zeros.slice(0, groups * 2),
+                param_dtype: DType::BF16,
+            }
+        }
+    };
+    Matrix { rows, cols, data }
 }
 
 impl Generator {
@@ -233,14 +257,12 @@ impl Generator {
         self.matrix(name, rows, cols, false)
     }
     fn matrix(&self, name: &str, rows: usize, cols: usize, is_gate: bool) -> Matrix {
+        let format = format_for(self.quant, cols, is_gate);
+        if let Some(zeros) = &self.zeros {
+            return placeholder_matrix(rows, cols, format, zeros);
+        }
         let std = 1.0 / (cols as f32).sqrt();
-        random_matrix(
-            rows,
-            cols,
-            std,
-            format_for(self.quant, cols, is_gate),
-            tensor_key(self.seed, name),
-        )
+        random_matrix(rows, cols, std, format, tensor_key(self.seed, name))
     }
     fn normal(&self, name: &str, len: usize, mean: f32, std: f32) -> Vec<f32> {
         let mut rng = block_rng(tensor_key(self.seed, name), 0);
@@ -324,7 +346,67 @@ impl Generator {
 /// (Q4/Q8: MLX affine group 64 with an 8-bit router and shared-expert gate, as a `--quant` load makes
 /// them; matrices whose inputs are not a multiple of 64 stay bf16).
 pub fn random_weights(spec: &ModelSpec, quant: Quant, seed: u64) -> Weights {
-    let g = Generator { seed, quant };
+    build_weights(
+        spec,
+        Generator {
+            seed,
+            quant,
+            zeros: None,
+        },
+    )
+}
+
+/// Weights of the right shapes and formats whose matrices are all views of ONE shared zero buffer
+/// (the size of the largest matrix, allocated zeroed so untouched pages cost nothing): for sizing,
+/// byte counts and memory planning of full-size models without generating them. Vectors are real
+/// (small) values as in [`random_weights`].
+pub fn placeholder_weights(spec: &ModelSpec, quant: Quant) -> Weights {
+    let d = spec.hidden_size;
+    let widest_rows = [
+        spec.vocab_size,
+        spec.q_proj_rows(),
+        spec.linear_conv_dim(),
+        spec.linear_value_dim(),
+        d,
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0);
+    let widest_cols = [
+        d,
+        spec.linear_value_dim(),
+        spec.num_attention_heads * spec.head_dim,
+    ]
+    .into_iter()
+    .chain(match spec.feed_forward {
+        FeedForwardSpec::Dense { intermediate } => vec![intermediate],
+        FeedForwardSpec::Moe {
+            expert_intermediate,
+            shared_intermediate,
+            num_experts,
+            ..
+        } => {
+            vec![expert_intermediate, shared_intermediate, num_experts]
+        }
+    })
+    .max()
+    .unwrap_or(0);
+    let zeros = Blob::from_pod_vec(vec![
+        0u32;
+        widest_rows.max(widest_cols) * widest_cols.max(d)
+    ]);
+    build_weights(
+        spec,
+        Generator {
+            seed: 0,
+            quant,
+            zeros: Some(zeros),
+        },
+    )
+}
+
+fn build_weights(spec: &ModelSpec, g: Generator) -> Weights {
+    let (quant, seed) = (g.quant, g.seed);
     let d = spec.hidden_size;
     let layers: Vec<LayerWeights> = spec
         .layers
@@ -333,13 +415,17 @@ pub fn random_weights(spec: &ModelSpec, quant: Quant, seed: u64) -> Weights {
         .map(|(i, &kind)| g.layer(spec, i, kind))
         .collect();
     // Embedding rows ~ N(0, 1): a lookup, not a product, so no fan-in scaling.
-    let embed_tokens = random_matrix(
-        spec.vocab_size,
-        d,
-        1.0,
-        format_for(quant, d, false),
-        tensor_key(seed, "embed_tokens"),
-    );
+    let embed_format = format_for(quant, d, false);
+    let embed_tokens = match &g.zeros {
+        Some(zeros) => placeholder_matrix(spec.vocab_size, d, embed_format, zeros),
+        None => random_matrix(
+            spec.vocab_size,
+            d,
+            1.0,
+            embed_format,
+            tensor_key(seed, "embed_tokens"),
+        ),
+    };
     let lm_head = if spec.tie_word_embeddings {
         embed_tokens.clone()
     } else {
@@ -411,6 +497,31 @@ mod tests {
             _ => unreachable!(),
         }
         assert!(a.final_norm.iter().all(|x| x.abs() < 0.3));
+    }
+
+    /// The real model's sizes from shapes alone (model.md §1.9): ≈ 35B parameters, ≈ 19.5 GB at
+    /// MLX 4-bit, ≈ 1.65 GB of weights read per decoded token.
+    #[test]
+    fn full_size_byte_counts_match_the_reference() {
+        let spec = preset("qwen3.6-35b-a3b").unwrap();
+        let q4 = weight_stats(&spec, &placeholder_weights(&spec, Quant::Q4));
+        let params_b = q4.total_params as f64 / 1e9;
+        assert!((34.0..36.5).contains(&params_b), "{params_b} B params");
+        let gb = q4.total_bytes as f64 / 1e9;
+        assert!((19.0..20.5).contains(&gb), "{gb} GB at 4-bit");
+        let per_token = q4.bytes_per_token as f64 / 1e9;
+        assert!(
+            (1.6..1.75).contains(&per_token),
+            "{per_token} GB per token at 4-bit"
+        );
+        let bf16 = weight_stats(&spec, &placeholder_weights(&spec, Quant::Bf16));
+        let gb = bf16.total_bytes as f64 / 1e9;
+        eprintln!(
+            "qwen3.6-35b-a3b: {params_b:.2} B params; q4 {:.2} GB, {per_token:.3} GB/token; bf16 {gb:.2} GB, {:.3} GB/token",
+            q4.total_bytes as f64 / 1e9,
+            bf16.bytes_per_token as f64 / 1e9
+        );
+        assert!((68.0..72.0).contains(&gb), "{gb} GB at bf16");
     }
 
     #[test]

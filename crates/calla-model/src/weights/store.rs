@@ -273,7 +273,7 @@ fn map_file(path: &Path) -> Result<Mmap, LoadError> {
     unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))
 }
 
-/// `model.safetensors.index.json` → (shard file names in first-seen order, tensor → file).
+/// `model.safetensors.index.json` → (shard file names, sorted; tensor → file).
 fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>), LoadError> {
     let text = std::fs::read_to_string(path).map_err(|e| LoadError::io(path, e))?;
     let json: serde_json::Value =
@@ -308,6 +308,7 @@ fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>), Lo
         }
         map.insert(tensor.clone(), file.to_string());
     }
+    files.sort();
     Ok((files, map))
 }
 
