@@ -114,8 +114,8 @@ impl Linear {
                     bail!("{name}: {bits}-bit affine weights are not supported (4 or 8)");
                 }
                 ensure!(
-                    *group_size > 0 && group_size % 8 == 0 && cols % group_size == 0,
-                    "{name}: group size {group_size} must be a multiple of 8 dividing cols {cols}"
+                    *group_size > 0 && group_size % 16 == 0 && cols % group_size == 0,
+                    "{name}: group size {group_size} must be a multiple of 16 dividing cols {cols}"
                 );
                 let groups = rows * cols / group_size;
                 ensure!(
@@ -218,6 +218,10 @@ impl Linear {
                 let groups = c / g;
                 let mut x_sums = vec![0f32; groups];
                 simd::group_sums(x, g, &mut x_sums);
+                let (mut x_even, mut x_odd) = (vec![0f32; c / 2], vec![0f32; c / 2]);
+                if bits == 4 {
+                    simd::split_even_odd(x, &mut x_even, &mut x_odd);
+                }
                 let words = c * bits / 32;
                 let codes = codes.get();
                 y.par_chunks_mut(chunk).enumerate().for_each(|(i, ys)| {
@@ -227,7 +231,8 @@ impl Linear {
                         let s = &scales[r * groups..(r + 1) * groups];
                         let b = &biases[r * groups..(r + 1) * groups];
                         *yr = if bits == 4 {
-                            simd::dot_q4(row, s, b, g, x, &x_sums)
+                            let row = bytemuck::cast_slice(row);
+                            simd::dot_q4(row, s, b, g, &x_even, &x_odd, &x_sums)
                         } else {
                             simd::dot_q8(bytemuck::cast_slice(row), s, b, g, x, &x_sums)
                         };

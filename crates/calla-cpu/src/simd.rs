@@ -112,31 +112,43 @@ pub fn group_sums(x: &[f32], group_size: usize, sums: &mut [f32]) {
 /// Shifts that take element j out of a 4-bit code word: 8 elements per word.
 const Q4_SHIFTS: [u32; 8] = [0, 4, 8, 12, 16, 20, 24, 28];
 
+/// Split x into its even and odd columns (`even[i] = x[2i]`, `odd[i] = x[2i+1]`): byte i of a 4-bit
+/// row holds column 2i in its low nibble and 2i+1 in its high nibble, so with x split this way the
+/// 4-bit dot product runs over bytes with contiguous loads, like the 8-bit one.
+pub fn split_even_odd(x: &[f32], even: &mut [f32], odd: &mut [f32]) {
+    for ((pair, e), o) in x.chunks_exact(2).zip(even.iter_mut()).zip(odd.iter_mut()) {
+        *e = pair[0];
+        *o = pair[1];
+    }
+}
+
 dispatch! {
-    /// `Σ_c w_c x_c` for one 4-bit affine row: `words` holds its cols/8 code words, `scales`/`biases`
-    /// its cols/G group parameters, `x_group_sums` the per-group sums of x. G is a multiple of 8.
+    /// `Σ_c w_c x_c` for one 4-bit affine row: `codes` are its cols/2 bytes, `scales`/`biases` its
+    /// cols/G group parameters, `x_even`/`x_odd` from `split_even_odd`, `x_group_sums` the per-group
+    /// sums of x. G is a multiple of 16.
     pub fn dot_q4(
-        words: &[u32],
+        codes: &[u8],
         scales: &[f32],
         biases: &[f32],
         group_size: usize,
-        x: &[f32],
+        x_even: &[f32],
+        x_odd: &[f32],
         x_group_sums: &[f32],
     ) -> f32 {
-        let words_per_group = group_size / 8;
+        let half = group_size / 2;
         let mut acc = [0f32; 8];
         let mut bias_term = 0f32;
-        for (g, (group_words, group_x)) in words
-            .chunks_exact(words_per_group)
-            .zip(x.chunks_exact(group_size))
+        for (g, ((group_codes, xe), xo)) in codes
+            .chunks_exact(half)
+            .zip(x_even.chunks_exact(half))
+            .zip(x_odd.chunks_exact(half))
             .enumerate()
         {
             // Σ_{c in g} q_c x_c, kept in 8 lanes
             let mut group_acc = [0f32; 8];
-            for (word, wx) in group_words.iter().zip(group_x.chunks_exact(8)) {
+            for ((c8, e8), o8) in group_codes.chunks_exact(8).zip(xe.chunks_exact(8)).zip(xo.chunks_exact(8)) {
                 for j in 0..8 {
-                    let q = ((*word >> Q4_SHIFTS[j]) & 0xF) as f32;
-                    group_acc[j] += q * wx[j];
+                    group_acc[j] += (c8[j] & 0xF) as f32 * e8[j] + (c8[j] >> 4) as f32 * o8[j];
                 }
             }
             let scale = scales[g];
