@@ -11,11 +11,17 @@
 //! TOP level even when the hyperparameters sit under `text_config` (model.md §1.6, §7.1).
 //! Every validation error names the field (a JSON path) and the value found.
 
-use std::collections::BTreeMap;
-
 use serde::Deserialize;
 
 use crate::spec::{Family, FeedForwardSpec, LayerKind, ModelSpec};
+
+mod defaults;
+mod quantization;
+
+pub use defaults::FamilyDefaults;
+pub use quantization::{
+    QuantOverride, QuantParams, QuantizationBlock, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES,
+};
 
 /// A problem with one field of config.json.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -28,7 +34,7 @@ pub struct ConfigError {
     pub problem: String,
 }
 
-fn config_error(
+pub(crate) fn config_error(
     field: impl Into<String>,
     value: impl ToString,
     problem: impl Into<String>,
@@ -108,189 +114,6 @@ pub struct TextConfig {
     pub full_attention_interval: Option<usize>,
     pub eos_token_id: Option<TokenIds>,
     pub bos_token_id: Option<u32>,
-}
-
-/// One per-module entry of the MLX quantisation block: parameters, or `false` (left unquantised).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-pub enum QuantOverride {
-    Params(QuantParams),
-    Enabled(bool),
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
-pub struct QuantParams {
-    pub group_size: usize,
-    pub bits: u32,
-}
-
-/// The MLX `quantization` block: global `(bits, group_size, mode)` plus per-module overrides keyed
-/// by the full module path (siblings of the global keys, model.md §1.6).
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct QuantizationBlock {
-    pub group_size: usize,
-    pub bits: u32,
-    pub mode: String,
-    /// module path (e.g. `language_model.model.layers.0.mlp.gate`) → its parameters; `None` =
-    /// explicitly left unquantised.
-    pub overrides: BTreeMap<String, Option<QuantParams>>,
-}
-
-impl QuantizationBlock {
-    /// The parameters a module at `path` was quantised with (None = explicitly unquantised).
-    pub fn params_for(&self, path: &str) -> Option<QuantParams> {
-        match self.overrides.get(path) {
-            Some(p) => *p,
-            None => Some(QuantParams {
-                group_size: self.group_size,
-                bits: self.bits,
-            }),
-        }
-    }
-
-    fn from_json(value: &serde_json::Value, field: &str) -> Result<Self, ConfigError> {
-        let obj = value
-            .as_object()
-            .ok_or_else(|| config_error(field, value, "expected an object"))?;
-        let get_usize = |key: &str| -> Result<usize, ConfigError> {
-            let v = obj
-                .get(key)
-                .ok_or_else(|| config_error(format!("{field}.{key}"), "<missing>", "required"))?;
-            v.as_u64()
-                .map(|x| x as usize)
-                .ok_or_else(|| config_error(format!("{field}.{key}"), v, "expected an integer"))
-        };
-        let group_size = get_usize("group_size")?;
-        let bits = get_usize("bits")? as u32;
-        let mode = match obj.get("mode") {
-            None => "affine".to_string(),
-            Some(v) => v
-                .as_str()
-                .ok_or_else(|| config_error(format!("{field}.mode"), v, "expected a string"))?
-                .to_string(),
-        };
-        if mode != "affine" {
-            return Err(config_error(
-                format!("{field}.mode"),
-                format!("{mode:?}"),
-                "only MLX affine quantisation is supported",
-            ));
-        }
-        check_quant_params(field, bits, group_size)?;
-        let mut overrides = BTreeMap::new();
-        for (key, v) in obj {
-            if matches!(key.as_str(), "group_size" | "bits" | "mode") {
-                continue;
-            }
-            let entry_field = format!("{field}.{key}");
-            let parsed: QuantOverride = serde_json::from_value(v.clone()).map_err(|_| {
-                config_error(
-                    &entry_field,
-                    v,
-                    "expected {\"group_size\", \"bits\"} or a boolean",
-                )
-            })?;
-            let params = match parsed {
-                QuantOverride::Params(p) => {
-                    check_quant_params(&entry_field, p.bits, p.group_size)?;
-                    if let Some(m) = v.get("mode").and_then(|m| m.as_str()) {
-                        if m != "affine" {
-                            return Err(config_error(
-                                format!("{entry_field}.mode"),
-                                format!("{m:?}"),
-                                "only MLX affine quantisation is supported",
-                            ));
-                        }
-                    }
-                    Some(p)
-                }
-                QuantOverride::Enabled(false) => None,
-                QuantOverride::Enabled(true) => Some(QuantParams { group_size, bits }),
-            };
-            overrides.insert(key.clone(), params);
-        }
-        Ok(QuantizationBlock {
-            group_size,
-            bits,
-            mode,
-            overrides,
-        })
-    }
-}
-
-/// Bit widths and group sizes the loader and backends accept (MLX affine subset).
-pub const SUPPORTED_BITS: [u32; 2] = [4, 8];
-pub const SUPPORTED_GROUP_SIZES: [usize; 3] = [32, 64, 128];
-
-fn check_quant_params(field: &str, bits: u32, group_size: usize) -> Result<(), ConfigError> {
-    if !SUPPORTED_BITS.contains(&bits) {
-        return Err(config_error(
-            format!("{field}.bits"),
-            bits,
-            format!("unsupported bit width (supported: {SUPPORTED_BITS:?})"),
-        ));
-    }
-    if !SUPPORTED_GROUP_SIZES.contains(&group_size) {
-        return Err(config_error(
-            format!("{field}.group_size"),
-            group_size,
-            format!("unsupported group size (supported: {SUPPORTED_GROUP_SIZES:?})"),
-        ));
-    }
-    Ok(())
-}
-
-/// The transformers class defaults of one model type (the values a missing key takes).
-#[derive(Debug, Clone, Copy)]
-pub struct FamilyDefaults {
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    pub num_key_value_heads: usize,
-    pub num_experts: usize,
-    pub num_experts_per_tok: usize,
-}
-
-impl FamilyDefaults {
-    pub fn of(family: Family) -> Self {
-        match family {
-            // Qwen3_5MoeTextConfig
-            Family::Qwen35Moe => FamilyDefaults {
-                vocab_size: 248320,
-                hidden_size: 2048,
-                intermediate_size: 0,
-                num_hidden_layers: 40,
-                num_attention_heads: 16,
-                num_key_value_heads: 2,
-                num_experts: 256,
-                num_experts_per_tok: 8,
-            },
-            // Qwen3_5TextConfig
-            Family::Qwen35Dense => FamilyDefaults {
-                vocab_size: 248320,
-                hidden_size: 4096,
-                intermediate_size: 12288,
-                num_hidden_layers: 32,
-                num_attention_heads: 16,
-                num_key_value_heads: 4,
-                num_experts: 0,
-                num_experts_per_tok: 0,
-            },
-            // Qwen3NextConfig
-            Family::Qwen3Next => FamilyDefaults {
-                vocab_size: 151936,
-                hidden_size: 2048,
-                intermediate_size: 5632,
-                num_hidden_layers: 48,
-                num_attention_heads: 16,
-                num_key_value_heads: 2,
-                num_experts: 512,
-                num_experts_per_tok: 10,
-            },
-        }
-    }
 }
 
 /// The model types this crate understands, and whether they are the VL wrapper.
