@@ -1,0 +1,301 @@
+// common.cuh: prepended to every kernel source by nvrtc.rs. No CUDA toolkit header is needed at run
+// time: the bf16/f16 conversions, the vector loads, the reductions and the weight formats are here.
+//
+// Conventions shared by all kernels
+// - Activations are f32. Weights are one of the formats below. KV cache entries are bf16.
+// - Every kernel takes one #[repr(C)] parameter struct by value; its Rust twin lives in the kernel
+//   family's launcher (src/<family>.rs). Pointers are u64, sizes i32, so both sides agree on layout.
+// - A "unit" is 16 bytes of weight codes: one 128-bit load per thread, coalesced across a warp.
+//
+// Weight formats (row-major [rows, cols], rows = out features; see calla_model::matrix):
+//   FMT_F32   4 weights/unit            FMT_BF16  8 weights/unit        FMT_F16  8 weights/unit
+//   FMT_Q4    32 weights/unit, MLX affine: w = scale·q + bias per group of G columns, codes packed
+//             low nibble first in little-endian u32 words; (scale, bias) interleaved per group as
+//             two bf16 in one u32 (PARAM_BF16) or as float2 (PARAM_F32).
+//   FMT_Q8    16 weights/unit, same with bytes.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define FMT_F32 0
+#define FMT_BF16 1
+#define FMT_F16 2
+#define FMT_Q4 3
+#define FMT_Q8 4
+#define PARAM_BF16 0
+#define PARAM_F32 1
+#define NEG_INF (__int_as_float(0xff800000))
+
+// ---------------------------------------------------------------- scalar conversions
+__device__ __forceinline__ float bf16_to_f32(u32 bits16) { return __uint_as_float(bits16 << 16); }
+__device__ __forceinline__ float bf16_lo(u32 pair) { return __uint_as_float(pair << 16); }
+__device__ __forceinline__ float bf16_hi(u32 pair) { return __uint_as_float(pair & 0xffff0000u); }
+// Round to nearest even, NaN kept quiet (as torch does).
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)0x7fc0;
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (u16)(x >> 16);
+}
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ float f16_lo(u32 pair) { return f16_to_f32((u16)(pair & 0xffffu)); }
+__device__ __forceinline__ float f16_hi(u32 pair) { return f16_to_f32((u16)(pair >> 16)); }
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// ---------------------------------------------------------------- loads
+// 16-byte read-only load (weights never change while a kernel runs).
+__device__ __forceinline__ uint4 ld_nc_16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ld_nc_u32(const void* p) {
+    u32 v;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float2 ld_nc_f2(const void* p) {
+    float2 v;
+    asm volatile("ld.global.nc.v2.f32 {%0,%1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    return v;
+}
+
+// ---------------------------------------------------------------- reductions
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// Sum over aligned groups of `width` lanes (a power of two ≤ 32); every lane gets its group's sum.
+__device__ __forceinline__ float group_sum(float v, int width) {
+    for (int o = width >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+// Block-wide sum; `scratch` holds ≥ 32 floats; every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < nwarps; ++w) total += scratch[w];
+    return total;
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float m = NEG_INF;
+    for (int w = 0; w < nwarps; ++w) m = fmaxf(m, scratch[w]);
+    return m;
+}
+
+// ---------------------------------------------------------------- weight formats
+// One format = how 16 bytes of codes (`w`) and their group's parameters turn into a dot product with
+// the matching activations `x` (f32, in shared memory). `pair` is the group's (scale, bias).
+template <int FMT> struct Fmt;
+
+template <> struct Fmt<FMT_F32> {
+    static constexpr int W = 4;
+    static constexpr bool AFFINE = false;
+    __device__ static __forceinline__ float dot(uint4 w, const float* x, float, float) {
+        return __uint_as_float(w.x) * x[0] + __uint_as_float(w.y) * x[1] + __uint_as_float(w.z) * x[2] +
+               __uint_as_float(w.w) * x[3];
+    }
+    __device__ static __forceinline__ void decode(uint4 w, float* out, float, float) {
+        out[0] = __uint_as_float(w.x); out[1] = __uint_as_float(w.y);
+        out[2] = __uint_as_float(w.z); out[3] = __uint_as_float(w.w);
+    }
+};
+
+template <> struct Fmt<FMT_BF16> {
+    static constexpr int W = 8;
+    static constexpr bool AFFINE = false;
+    __device__ static __forceinline__ float dot(uint4 w, const float* x, float, float) {
+        float acc = bf16_lo(w.x) * x[0];
+        acc = fmaf(bf16_hi(w.x), x[1], acc);
+        acc = fmaf(bf16_lo(w.y), x[2], acc);
+        acc = fmaf(bf16_hi(w.y), x[3], acc);
+        acc = fmaf(bf16_lo(w.z), x[4], acc);
+        acc = fmaf(bf16_hi(w.z), x[5], acc);
+        acc = fmaf(bf16_lo(w.w), x[6], acc);
+        acc = fmaf(bf16_hi(w.w), x[7], acc);
+        return acc;
+    }
+    __device__ static __forceinline__ void decode(uint4 w, float* out, float, float) {
+        out[0] = bf16_lo(w.x); out[1] = bf16_hi(w.x); out[2] = bf16_lo(w.y); out[3] = bf16_hi(w.y);
+        out[4] = bf16_lo(w.z); out[5] = bf16_hi(w.z); out[6] = bf16_lo(w.w); out[7] = bf16_hi(w.w);
+    }
+};
+
+template <> struct Fmt<FMT_F16> {
+    static constexpr int W = 8;
+    static constexpr bool AFFINE = false;
+    __device__ static __forceinline__ float dot(uint4 w, const float* x, float, float) {
+        float acc = f16_lo(w.x) * x[0];
+        acc = fmaf(f16_hi(w.x), x[1], acc);
+        acc = fmaf(f16_lo(w.y), x[2], acc);
+        acc = fmaf(f16_hi(w.y), x[3], acc);
+        acc = fmaf(f16_lo(w.z), x[4], acc);
+        acc = fmaf(f16_hi(w.z), x[5], acc);
+        acc = fmaf(f16_lo(w.w), x[6], acc);
+        acc = fmaf(f16_hi(w.w), x[7], acc);
+        return acc;
+    }
+    __device__ static __forceinline__ void decode(uint4 w, float* out, float, float) {
+        out[0] = f16_lo(w.x); out[1] = f16_hi(w.x); out[2] = f16_lo(w.y); out[3] = f16_hi(w.y);
+        out[4] = f16_lo(w.z); out[5] = f16_hi(w.z); out[6] = f16_lo(w.w); out[7] = f16_hi(w.w);
+    }
+};
+
+// Σ (s·q + b)·x = s·Σ q·x + b·Σ x over the unit (all of a unit's weights share one group: G % W == 0).
+template <> struct Fmt<FMT_Q4> {
+    static constexpr int W = 32;
+    static constexpr bool AFFINE = true;
+    __device__ static __forceinline__ float dot(uint4 w, const float* x, float scale, float bias) {
+        float qx = 0.0f, sx = 0.0f;
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float xv = x[i * 8 + j];
+                qx = fmaf((float)((words[i] >> (4 * j)) & 15u), xv, qx);
+                sx += xv;
+            }
+        }
+        return fmaf(scale, qx, bias * sx);
+    }
+    __device__ static __forceinline__ void decode(uint4 w, float* out, float scale, float bias) {
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) out[i * 8 + j] = scale * (float)((words[i] >> (4 * j)) & 15u) + bias;
+    }
+};
+
+template <> struct Fmt<FMT_Q8> {
+    static constexpr int W = 16;
+    static constexpr bool AFFINE = true;
+    __device__ static __forceinline__ float dot(uint4 w, const float* x, float scale, float bias) {
+        float qx = 0.0f, sx = 0.0f;
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float xv = x[i * 4 + j];
+                qx = fmaf((float)((words[i] >> (8 * j)) & 255u), xv, qx);
+                sx += xv;
+            }
+        }
+        return fmaf(scale, qx, bias * sx);
+    }
+    __device__ static __forceinline__ void decode(uint4 w, float* out, float scale, float bias) {
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) out[i * 4 + j] = scale * (float)((words[i] >> (8 * j)) & 255u) + bias;
+    }
+};
+
+// A matrix as kernels see it: codes/values and (for affine formats) interleaved group parameters.
+struct MatrixRef {
+    u64 data;      // codes or values, row-major
+    u64 params;    // affine only: [rows, cols/G] (scale, bias) pairs
+    i64 row_bytes; // bytes of one row of `data`
+    int groups_per_row;
+    int param_f32; // PARAM_BF16 or PARAM_F32
+};
+
+// Group parameters of (row, group g).
+__device__ __forceinline__ float2 load_group_params(const MatrixRef& m, i64 row, int g) {
+    const i64 idx = row * (i64)m.groups_per_row + g;
+    if (m.param_f32) return ld_nc_f2((const float2*)m.params + idx);
+    const u32 pair = ld_nc_u32((const u32*)m.params + idx);
+    float2 r;
+    r.x = bf16_lo(pair);
+    r.y = bf16_hi(pair);
+    return r;
+}
+
+// Partial dot product of one row with x (length K, in shared memory), over the units lane, lane+width,
+// …; the caller reduces over its `width` lanes. `group_size` is the affine group size G.
+template <int FMT>
+__device__ __forceinline__ float row_dot_partial(const MatrixRef& m, i64 row, const float* x, int K,
+                                                 int lane, int width, int group_size) {
+    typedef Fmt<FMT> F;
+    const u8* base = (const u8*)m.data + row * m.row_bytes;
+    const int units = K / F::W;
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int u = lane; u < units; u += width) {
+        const uint4 w = ld_nc_16(base + (i64)u * 16);
+        float scale = 1.0f, bias = 0.0f;
+        if (F::AFFINE) {
+            const float2 p = load_group_params(m, row, (u * F::W) / group_size);
+            scale = p.x;
+            bias = p.y;
+        }
+        acc += F::dot(w, x + u * F::W, scale, bias);
+    }
+    return acc;
+}
+
+// Lanes that share one row: the largest power of two ≤ min(32, units per row).
+__host__ __device__ __forceinline__ int lanes_per_row(int units) {
+    int w = 1;
+    while (w * 2 <= units && w < 32) w *= 2;
+    return w;
+}
+
+// Load x [K] into shared memory, applying the zero-centred RMSNorm when `gain` (= 1 + w) is given:
+// x̂ = x · (1/√(mean(x²) + eps)) · gain (calla_cpu::norm::rms_norm_zero_centred). Ends with a barrier.
+__device__ __forceinline__ void load_input(const float* x, const float* gain, float eps, int K,
+                                           float* xs, float* red) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+        const float v = x[i];
+        xs[i] = v;
+        ss += v * v;
+    }
+    if (gain) {
+        const float total = block_sum(ss, red);
+        const float inv = 1.0f / sqrtf(total / (float)K + eps); // x̂ = x / √(mean(x²) + eps)
+        for (int i = threadIdx.x; i < K; i += blockDim.x) xs[i] = xs[i] * inv * gain[i];
+    }
+    __syncthreads();
+}
+
+// The per-step cursor, written by the host when it changes and advanced on the device by the token
+// selection kernel: the decode graph reads everything sequence-dependent through it.
+struct Cursor {
+    u64 state_base; // the sequence's state arena (conv rings, recurrent states, KV caches)
+    int pos;        // position of the token being processed
+    int token;      // the token being processed
+};
+
+// Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
+static_assert(sizeof(MatrixRef) == 32, "MatrixRef layout differs from its Rust twin");
+static_assert(sizeof(Cursor) == 16, "Cursor layout differs from its Rust twin");

@@ -1,0 +1,516 @@
+// select.cu: choosing the next token on the device, exactly as calla_engine::sampling::select_token.
+//
+// Rules (the CPU reference's header, verbatim in effect):
+//   lse = log Σ exp(raw);  logprob(id) = raw[id] − lse;  top logprobs = the n best raw (value ↓, id ↑)
+//   z = raw (NaN → −∞) + logit_bias;  seen ids (prompt ∪ output): z ← z>0 ? z/rep : z·rep;
+//   z ← z − (presence + frequency·count) for ids in the output
+//   greedy (T = 0): argmax z (ties: lowest id)
+//   sampling: z ← z/T; kept = finite; top-k by (z ↓, id ↑); top-p: p = softmax over kept, walk by
+//     (p ↓, id ↑) keeping ids whose preceding cumulative p < top_p; min-p: exp(z − z_max) ≥ min_p;
+//     w = exp(z − z_max) over kept in ascending id order; target = u·Σw with
+//     u = philox4x32_10([step, step>>32, 0, 0], [seed, seed>>32])[0] >> 8 · 2⁻²⁴;
+//     the first id whose running sum exceeds target (the last kept id if none).
+// Sums in the reference are sequential in id order; here they are per-thread chunks in id order
+// (identical tokens except when a draw lands within rounding of a boundary).
+//
+// Launch: select_token: grid NB = ⌈V/chunk⌉ blocks × 256 threads, dynamic smem chunk·4·2. Each block
+//   reduces its chunk (raw max/sum, z max/argmax/sum, its best SEL_MAX_LOGPROBS raw and
+//   SEL_MAX_CAND z candidates) into a partial; the last block (atomic ticket) merges them, draws,
+//   writes the SelectResult, advances the cursor (token ← chosen, pos ← pos + 1) and the draw step,
+//   and counts the token for the penalties. Everything it reads that changes per request or per step
+//   is in device memory (SelectConfig, Cursor), so the launch can live in the decode graph.
+// Bytes per call: V·4 (logits) + V·(4 + 1 + 4) with bias/penalty tables.
+
+#define SEL_THREADS 256
+#define SEL_MAX_LOGPROBS 20
+#define SEL_MAX_CAND 64
+
+struct SelectConfig {
+    float temperature, top_p, min_p, rep_penalty, presence, frequency;
+    int top_k, n_logprobs;
+    u32 seed_lo, seed_hi, step_lo, step_hi;
+    int use_bias, use_seen, use_counts, pad;
+};
+
+struct SelectPartial {
+    float raw_max, raw_sum, z_max, z_sum;
+    int z_arg, n_raw, n_cand, n_finite;
+    int raw_ids[SEL_MAX_LOGPROBS];
+    float raw_vals[SEL_MAX_LOGPROBS];
+    int cand_ids[SEL_MAX_CAND];
+    float cand_vals[SEL_MAX_CAND];
+};
+
+struct SelectResult {
+    int token;
+    float logprob;
+    int n_top;
+    int sampled; // 1 when drawn, 0 when argmax
+    int top_ids[SEL_MAX_LOGPROBS];
+    float top_logprobs[SEL_MAX_LOGPROBS];
+};
+
+struct SelectParams {
+    u64 logits;   // [V] f32
+    u64 config;   // SelectConfig*
+    u64 partials; // [NB] SelectPartial
+    u64 counter;  // u32 ticket
+    u64 result;   // SelectResult*
+    u64 cursor;   // Cursor*
+    u64 bias;     // [V] f32 (config.use_bias)
+    u64 seen;     // [V] u8: in prompt or output (config.use_seen)
+    u64 counts;   // [V] u32: occurrences in the output (config.use_counts)
+    int V, chunk, advance, pad;
+};
+
+// ---------------------------------------------------------------- philox4x32-10
+__device__ __forceinline__ float philox_uniform(u32 seed_lo, u32 seed_hi, u32 step_lo, u32 step_hi) {
+    u32 c0 = step_lo, c1 = step_hi, c2 = 0, c3 = 0, k0 = seed_lo, k1 = seed_hi;
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+        const u64 p0 = (u64)0xD2511F53u * c0, p1 = (u64)0xCD9E8D57u * c2;
+        const u32 hi0 = (u32)(p0 >> 32), lo0 = (u32)p0, hi1 = (u32)(p1 >> 32), lo1 = (u32)p1;
+        const u32 n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+    }
+    return (float)(c0 >> 8) * (1.0f / 16777216.0f);
+}
+
+__device__ __forceinline__ float sanitise(float x) { return x != x ? NEG_INF : x; }
+
+// z for one id: penalties and bias (steps 1–3), then /T when sampling.
+__device__ __forceinline__ float adjust(const SelectParams& p, const SelectConfig& c, int i, float raw, bool sampling) {
+    float z = sanitise(raw);
+    if (c.use_bias) z += ((const float*)p.bias)[i];
+    if (c.use_seen && ((const u8*)p.seen)[i]) z = z > 0.0f ? z / c.rep_penalty : z * c.rep_penalty;
+    if (c.use_counts) {
+        const u32 n = ((const u32*)p.counts)[i];
+        if (n) z -= c.presence + c.frequency * (float)n;
+    }
+    return sampling ? z / c.temperature : z;
+}
+
+// (value ↓, id ↑), NaN = already taken (never better).
+__device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
+    if (v1 != v1) return false;
+    if (v2 != v2) return true;
+    return v1 > v2 || (v1 == v2 && i1 < i2);
+}
+
+struct Best { float v; int i; };
+
+// Block-wide best of (vals[k], ids[k]) for k = tid, tid + blockDim, … < n; all threads get it.
+__device__ __forceinline__ Best block_best(const float* vals, const int* ids, int id_base, int n, Best* scratch) {
+    Best b = {__int_as_float(0x7fc00000), 0x7fffffff};
+    for (int k = threadIdx.x; k < n; k += blockDim.x) {
+        const int id = ids ? ids[k] : id_base + k;
+        if (better(vals[k], id, b.v, b.i)) { b.v = vals[k]; b.i = id; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, b.v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, b.i, o);
+        if (better(ov, oi, b.v, b.i)) { b.v = ov; b.i = oi; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = b;
+    __syncthreads();
+    Best r = scratch[0];
+    for (int w = 1; w < nw; ++w)
+        if (better(scratch[w].v, scratch[w].i, r.v, r.i)) r = scratch[w];
+    return r;
+}
+
+// Take the best n of vals (marking them NaN); write ids/values to out. Returns how many were found.
+__device__ int block_top(float* vals, const int* ids, int id_base, int count, int n, int* out_ids, float* out_vals,
+                         Best* scratch) {
+    int taken = 0;
+    for (int k = 0; k < n && k < count; ++k) {
+        const Best b = block_best(vals, ids, id_base, count, scratch);
+        if (b.v != b.v) break;
+        if (threadIdx.x == 0) { out_ids[k] = b.i; out_vals[k] = b.v; }
+        // mark it taken (the thread that owns it)
+        for (int j = threadIdx.x; j < count; j += blockDim.x)
+            if ((ids ? ids[j] : id_base + j) == b.i) vals[j] = __int_as_float(0x7fc00000);
+        ++taken;
+        __syncthreads();
+    }
+    return taken;
+}
+
+// Draw over the whole vocabulary: kept = finite z passing the top-p threshold (z > vstar, and of the
+// ids with z == vstar the first tie_room in id order; vstar = −inf keeps every finite z) and min-p.
+// Sums run in per-thread id-ordered chunks; the chunk holding the target walks itself. Returns the
+// drawn id, or −1 when nothing is kept. `scan` holds ≥ blockDim + 1 floats, `tie_scan` blockDim ints.
+__device__ int draw_full(const SelectParams& p, const SelectConfig& c, float zmax, float vstar, int tie_room, float u,
+                         float* scan, int* tie_scan) {
+    const float* logits = (const float*)p.logits;
+    const int per = (p.V + blockDim.x - 1) / blockDim.x;
+    const int lo = min(p.V, (int)threadIdx.x * per), hi = min(p.V, lo + per);
+    __shared__ int chosen, last_any;
+    int ties = 0;
+    if (vstar > NEG_INF)
+        for (int i = lo; i < hi; ++i) ties += adjust(p, c, i, logits[i], true) == vstar ? 1 : 0;
+    __syncthreads();
+    tie_scan[threadIdx.x] = ties;
+    if (threadIdx.x == 0) { chosen = -1; last_any = -1; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int run = 0;
+        for (int t = 0; t < (int)blockDim.x; ++t) { const int v = tie_scan[t]; tie_scan[t] = run; run += v; }
+    }
+    __syncthreads();
+    int tie_rank = tie_scan[threadIdx.x];
+    float sum = 0.0f;
+    int last_kept = -1;
+    for (int i = lo; i < hi; ++i) {
+        const float z = adjust(p, c, i, logits[i], true);
+        bool keep = z > vstar || (z == vstar && tie_rank++ < tie_room);
+        if (!(z > NEG_INF && z < __int_as_float(0x7f800000))) keep = false;
+        if (keep && c.min_p > 0.0f && !(expf(z - zmax) >= c.min_p)) keep = false;
+        if (keep) { sum += expf(z - zmax); last_kept = i; }
+    }
+    scan[threadIdx.x] = sum;
+    __syncthreads();
+    if (last_kept >= 0) atomicMax(&last_any, last_kept);
+    if (threadIdx.x == 0) {
+        float run = 0.0f;
+        for (int t = 0; t < (int)blockDim.x; ++t) { const float v = scan[t]; scan[t] = run; run += v; }
+        scan[blockDim.x] = run;
+    }
+    __syncthreads();
+    const float target = u * scan[blockDim.x];
+    const float start = scan[threadIdx.x];
+    if (sum > 0.0f && start <= target && start + sum > target) {
+        float run = start;
+        int rank = tie_scan[threadIdx.x], pick = -1, last = -1;
+        for (int i = lo; i < hi; ++i) {
+            const float z = adjust(p, c, i, logits[i], true);
+            bool keep = z > vstar || (z == vstar && rank++ < tie_room);
+            if (!(z > NEG_INF && z < __int_as_float(0x7f800000))) keep = false;
+            if (keep && c.min_p > 0.0f && !(expf(z - zmax) >= c.min_p)) keep = false;
+            if (!keep) continue;
+            last = i;
+            run += expf(z - zmax);
+            if (run > target) { pick = i; break; }
+        }
+        chosen = pick >= 0 ? pick : last;
+    }
+    __syncthreads();
+    return chosen >= 0 ? chosen : last_any;
+}
+
+extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const SelectParams p) {
+    extern __shared__ float sm[];
+    float* raw = sm;              // [chunk]
+    float* zv = sm + p.chunk;     // [chunk]
+    __shared__ Best scratch[32];
+    __shared__ float red[32];
+    __shared__ int is_last;
+    const SelectConfig c = *(const SelectConfig*)p.config;
+    const bool sampling = c.temperature > 0.0f;
+    const int lo = blockIdx.x * p.chunk, n = max(0, min(p.V, lo + p.chunk) - lo);
+    const float* logits = (const float*)p.logits;
+    SelectPartial* part = (SelectPartial*)p.partials + blockIdx.x;
+
+    // ---- per-block partials
+    float rmax = NEG_INF, zmax_t = NEG_INF;
+    int nfin = 0;
+    for (int k = threadIdx.x; k < n; k += blockDim.x) {
+        const float r = sanitise(logits[lo + k]);
+        raw[k] = r;
+        rmax = fmaxf(rmax, r);
+        const float z = adjust(p, c, lo + k, r, sampling);
+        zv[k] = z;
+        zmax_t = fmaxf(zmax_t, z);
+        nfin += (z > NEG_INF && z < __int_as_float(0x7f800000)) ? 1 : 0;
+    }
+    rmax = block_max(rmax, red);
+    float rs = 0.0f;
+    if (rmax > NEG_INF)
+        for (int k = threadIdx.x; k < n; k += blockDim.x) rs += expf(raw[k] - rmax);
+    rs = block_sum(rs, red);
+    const Best zb = block_best(zv, nullptr, lo, n, scratch);
+    float zs = 0.0f;
+    if (sampling && zb.v > NEG_INF)
+        for (int k = threadIdx.x; k < n; k += blockDim.x)
+            if (zv[k] > NEG_INF) zs += expf(zv[k] - zb.v);
+    zs = block_sum(zs, red);
+    const float nf = block_sum((float)nfin, red);
+    if (threadIdx.x == 0) {
+        part->raw_max = rmax; part->raw_sum = rs; part->z_max = zb.v; part->z_arg = zb.i; part->z_sum = zs;
+        part->n_finite = (int)nf;
+    }
+    const int nl = min(c.n_logprobs, SEL_MAX_LOGPROBS);
+    int got = block_top(raw, nullptr, lo, n, nl, part->raw_ids, part->raw_vals, scratch);
+    if (threadIdx.x == 0) part->n_raw = got;
+    if (sampling) {
+        const int kc = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
+        got = block_top(zv, nullptr, lo, n, kc, part->cand_ids, part->cand_vals, scratch);
+        if (threadIdx.x == 0) part->n_cand = got;
+    }
+
+    // ---- the last block merges
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const int NB = gridDim.x;
+    const volatile SelectPartial* parts = (const volatile SelectPartial*)p.partials;
+    __shared__ float g_lse, g_zmax, g_ztotal;
+    __shared__ int g_arg, g_nfin;
+    if (threadIdx.x == 0) {
+        float M = NEG_INF, ZM = NEG_INF;
+        int arg = 0x7fffffff, nfin_all = 0;
+        for (int b = 0; b < NB; ++b) {
+            M = fmaxf(M, parts[b].raw_max);
+            if (better(parts[b].z_max, parts[b].z_arg, ZM, arg)) { ZM = parts[b].z_max; arg = parts[b].z_arg; }
+            nfin_all += parts[b].n_finite;
+        }
+        float S = 0.0f, ZS = 0.0f;
+        for (int b = 0; b < NB; ++b) {
+            if (parts[b].raw_max > NEG_INF) S += parts[b].raw_sum * expf(parts[b].raw_max - M);
+            if (parts[b].z_max > NEG_INF && ZM > NEG_INF) ZS += parts[b].z_sum * expf(parts[b].z_max - ZM);
+        }
+        g_lse = M > NEG_INF ? M + logf(S) : NEG_INF;
+        g_zmax = ZM;
+        g_ztotal = ZS;
+        g_arg = (ZM > NEG_INF || arg != 0x7fffffff) ? arg : 0;
+        g_nfin = nfin_all;
+    }
+    __syncthreads();
+    // merged top logprobs: NB·nl candidates → best nl
+    SelectResult* res = (SelectResult*)p.result;
+    float* cv = raw; // reuse shared memory: candidates
+    int* ci = (int*)zv;
+    int ncand = 0;
+    if (nl > 0) {
+        ncand = NB * SEL_MAX_LOGPROBS;
+        for (int k = threadIdx.x; k < ncand; k += blockDim.x) {
+            const int b = k / SEL_MAX_LOGPROBS, j = k - b * SEL_MAX_LOGPROBS;
+            const bool ok = j < parts[b].n_raw;
+            cv[k] = ok ? parts[b].raw_vals[j] : __int_as_float(0x7fc00000);
+            ci[k] = ok ? parts[b].raw_ids[j] : 0x7fffffff;
+        }
+        __syncthreads();
+        __shared__ int t_ids[SEL_MAX_LOGPROBS];
+        __shared__ float t_vals[SEL_MAX_LOGPROBS];
+        const int got2 = block_top(cv, ci, 0, ncand, nl, t_ids, t_vals, scratch);
+        if (threadIdx.x == 0) {
+            res->n_top = got2;
+            for (int k = 0; k < got2; ++k) { res->top_ids[k] = t_ids[k]; res->top_logprobs[k] = t_vals[k] - g_lse; }
+        }
+    } else if (threadIdx.x == 0) {
+        res->n_top = 0;
+    }
+    __syncthreads();
+
+    int token = g_arg;
+    int sampled = 0;
+    if (sampling && g_nfin > 0) {
+        const float u = philox_uniform(c.seed_lo, c.seed_hi, c.step_lo, c.step_hi);
+        // merged z candidates (best SEL_MAX_CAND, or top_k)
+        const int want = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
+        ncand = NB * SEL_MAX_CAND;
+        for (int k = threadIdx.x; k < ncand; k += blockDim.x) {
+            const int b = k / SEL_MAX_CAND, j = k - b * SEL_MAX_CAND;
+            const bool ok = j < parts[b].n_cand;
+            cv[k] = ok ? parts[b].cand_vals[j] : __int_as_float(0x7fc00000);
+            ci[k] = ok ? parts[b].cand_ids[j] : 0x7fffffff;
+        }
+        __syncthreads();
+        __shared__ int k_ids[SEL_MAX_CAND];
+        __shared__ float k_vals[SEL_MAX_CAND];
+        int nk = block_top(cv, ci, 0, ncand, want, k_ids, k_vals, scratch); // ranked (z ↓, id ↑)
+        // drop non-finite candidates (kept = finite z)
+        __shared__ int s_token, s_mode;
+        __shared__ float s_vstar;
+        __shared__ int s_tie_room;
+        if (threadIdx.x == 0) {
+            int m = 0;
+            for (int k = 0; k < nk; ++k)
+                if (k_vals[k] > NEG_INF && k_vals[k] < __int_as_float(0x7f800000)) { k_vals[m] = k_vals[k]; k_ids[m] = k_ids[k]; ++m; }
+            nk = m;
+            const bool topk_mode = c.top_k > 0 && c.top_k < g_nfin && c.top_k <= SEL_MAX_CAND;
+            s_mode = 0;
+            s_token = -1;
+            if (topk_mode) {
+                // kept = the top_k candidates: replicate the reference exactly on them.
+                const float zmax = k_vals[0];
+                float ids_keep_v[SEL_MAX_CAND];
+                int ids_keep[SEL_MAX_CAND];
+                int nkeep = nk;
+                for (int k = 0; k < nk; ++k) { ids_keep[k] = k_ids[k]; ids_keep_v[k] = k_vals[k]; }
+                if (c.top_p < 1.0f) {
+                    // total in ascending id order
+                    int order[SEL_MAX_CAND];
+                    for (int k = 0; k < nk; ++k) order[k] = k;
+                    for (int a = 1; a < nk; ++a) { int t = order[a], b = a - 1; while (b >= 0 && ids_keep[order[b]] > ids_keep[t]) { order[b + 1] = order[b]; --b; } order[b + 1] = t; }
+                    float total = 0.0f;
+                    for (int k = 0; k < nk; ++k) total += expf(ids_keep_v[order[k]] - zmax);
+                    float cum = 0.0f;
+                    int m2 = 0;
+                    for (int k = 0; k < nk; ++k) { // ranked order
+                        if (cum >= c.top_p) break;
+                        cum += expf(ids_keep_v[k] - zmax) / total;
+                        ++m2;
+                    }
+                    nkeep = m2;
+                }
+                // ascending id order of the kept, min-p, draw
+                int order[SEL_MAX_CAND];
+                for (int k = 0; k < nkeep; ++k) order[k] = k;
+                for (int a = 1; a < nkeep; ++a) { int t = order[a], b = a - 1; while (b >= 0 && ids_keep[order[b]] > ids_keep[t]) { order[b + 1] = order[b]; --b; } order[b + 1] = t; }
+                float total = 0.0f;
+                int last = -1;
+                for (int k = 0; k < nkeep; ++k) {
+                    const float z = ids_keep_v[order[k]];
+                    if (c.min_p > 0.0f && !(expf(z - zmax) >= c.min_p)) continue;
+                    total += expf(z - zmax);
+                    last = ids_keep[order[k]];
+                }
+                const float target = u * total;
+                float run = 0.0f;
+                for (int k = 0; k < nkeep; ++k) {
+                    const float z = ids_keep_v[order[k]];
+                    if (c.min_p > 0.0f && !(expf(z - zmax) >= c.min_p)) continue;
+                    run += expf(z - zmax);
+                    if (run > target) { s_token = ids_keep[order[k]]; break; }
+                }
+                if (s_token < 0) s_token = last;
+            } else {
+                // full vocabulary: top-p threshold from the ranked candidates when the nucleus fits in them
+                s_mode = 1;
+                s_vstar = NEG_INF;
+                s_tie_room = 0x7fffffff;
+                if (c.top_p < 1.0f) {
+                    float cum = 0.0f;
+                    int m2 = 0;
+                    for (; m2 < nk; ++m2) {
+                        if (cum >= c.top_p) break;
+                        cum += expf(k_vals[m2] - g_zmax) / g_ztotal;
+                    }
+                    if (cum >= c.top_p || m2 == g_nfin) {
+                        // kept = ranked prefix of length m2: z > v_last, plus ties at v_last up to rank
+                        const float vlast = k_vals[m2 - 1];
+                        int before = 0;
+                        for (int k = 0; k < m2; ++k) if (k_vals[k] == vlast) ++before;
+                        s_vstar = vlast;
+                        s_tie_room = before;
+                    } else {
+                        s_mode = 2; // nucleus larger than the candidates: bisection below
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (s_mode == 2) {
+            // Find v* = the smallest finite z with mass(z' > v*) < top_p by bisection on ordered keys.
+            __shared__ int s_lo, s_hi;
+            if (threadIdx.x == 0) {
+                const float lo_v = -3.0e38f;
+                const float hi_v = k_vals[nk - 1];
+                s_lo = __float_as_int(lo_v) < 0 ? (int)(0x80000000u - (u32)__float_as_int(lo_v)) : __float_as_int(lo_v);
+                s_hi = __float_as_int(hi_v) < 0 ? (int)(0x80000000u - (u32)__float_as_int(hi_v)) : __float_as_int(hi_v);
+            }
+            __syncthreads();
+            for (int it = 0; it < 40; ++it) {
+                const int lo_k = s_lo, hi_k = s_hi;
+                if (hi_k - lo_k <= 1) break;
+                const int mid = lo_k + (hi_k - lo_k) / 2;
+                const float v = mid < 0 ? __int_as_float((int)(0x80000000u - (u32)mid)) : __int_as_float(mid);
+                float mass = 0.0f;
+                for (int i = threadIdx.x; i < p.V; i += blockDim.x) {
+                    const float z = adjust(p, c, i, logits[i], true);
+                    if (z > v && z < __int_as_float(0x7f800000)) mass += expf(z - g_zmax);
+                }
+                mass = block_sum(mass, red) / g_ztotal;
+                if (threadIdx.x == 0) { if (mass < c.top_p) s_hi = mid; else s_lo = mid; }
+                __syncthreads();
+            }
+            // v* = the smallest z ≥ key(s_hi)
+            const float thr = s_hi < 0 ? __int_as_float((int)(0x80000000u - (u32)s_hi)) : __int_as_float(s_hi);
+            float vmin = __int_as_float(0x7f800000);
+            for (int i = threadIdx.x; i < p.V; i += blockDim.x) {
+                const float z = adjust(p, c, i, logits[i], true);
+                if (z >= thr && z < vmin) vmin = z;
+            }
+            vmin = -block_max(-vmin, red);
+            float above = 0.0f;
+            for (int i = threadIdx.x; i < p.V; i += blockDim.x) {
+                const float z = adjust(p, c, i, logits[i], true);
+                if (z > vmin && z < __int_as_float(0x7f800000)) above += expf(z - g_zmax);
+            }
+            above = block_sum(above, red) / g_ztotal;
+            if (threadIdx.x == 0) {
+                const float pv = expf(vmin - g_zmax) / g_ztotal;
+                const float room = (c.top_p - above) / pv;
+                s_vstar = vmin;
+                s_tie_room = room > 2.0e9f ? 0x7fffffff : (int)ceilf(room);
+                if (s_tie_room < 1) s_tie_room = 1;
+                s_mode = 1;
+            }
+            __syncthreads();
+        }
+        if (s_mode == 1) {
+            __shared__ int tie_scan[SEL_THREADS];
+            const int r = draw_full(p, c, g_zmax, s_vstar, s_tie_room, u, raw, tie_scan);
+            if (threadIdx.x == 0) s_token = r;
+            __syncthreads();
+        }
+        __syncthreads();
+        if (s_token >= 0) { token = s_token; sampled = 1; }
+    }
+    if (threadIdx.x == 0) {
+        res->token = token;
+        res->logprob = sanitise(logits[token]) - g_lse;
+        res->sampled = sampled;
+        SelectConfig* cfg = (SelectConfig*)p.config;
+        const u64 step = (((u64)c.step_hi) << 32 | c.step_lo) + 1;
+        cfg->step_lo = (u32)step;
+        cfg->step_hi = (u32)(step >> 32);
+        if (c.use_counts) ((u32*)p.counts)[token] += 1;
+        if (c.use_seen) ((u8*)p.seen)[token] = 1;
+        if (p.advance) {
+            Cursor* cur = (Cursor*)p.cursor;
+            cur->token = token;
+            cur->pos += 1;
+        }
+        *(u32*)p.counter = 0u;
+    }
+}
+
+// ---------------------------------------------------------------- penalty tables
+// seen[id] = 1 for every listed id; counts[id] += 1 for the output ids. grid ⌈n/256⌉, block 256.
+// The tables are zeroed (memset) before; afterwards select_token keeps them current on its own.
+struct PenaltyParams {
+    u64 prompt_ids; // [n_prompt] i32
+    u64 output_ids; // [n_output] i32
+    u64 seen;       // [V] u8
+    u64 counts;     // [V] u32
+    int n_prompt, n_output, V, pad;
+};
+
+extern "C" __global__ void __launch_bounds__(256) penalty_tables(const PenaltyParams p) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < p.n_prompt) {
+        const int id = ((const int*)p.prompt_ids)[i];
+        if (id >= 0 && id < p.V) ((u8*)p.seen)[id] = 1;
+    } else if (i < p.n_prompt + p.n_output) {
+        const int id = ((const int*)p.output_ids)[i - p.n_prompt];
+        if (id >= 0 && id < p.V) {
+            ((u8*)p.seen)[id] = 1;
+            atomicAdd((u32*)p.counts + id, 1u);
+        }
+    }
+}
+
+// Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
+static_assert(sizeof(SelectConfig) == 64, "SelectConfig layout differs from its Rust twin");
+static_assert(sizeof(SelectResult) == 176, "SelectResult layout differs from its Rust twin");
+static_assert(sizeof(SelectParams) == 88, "SelectParams layout differs from its Rust twin");
+static_assert(sizeof(PenaltyParams) == 48, "PenaltyParams layout differs from its Rust twin");
+static_assert(sizeof(SelectPartial) == 704, "SelectPartial layout differs from its Rust twin");

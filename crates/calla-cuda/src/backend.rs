@@ -1,0 +1,375 @@
+//! `CudaBackend`: calla_engine::Backend on one NVIDIA GPU.
+//!
+//! Construction: probe the driver and NVRTC, compile the kernels (cached), upload and repack the
+//! weights, allocate scratch, build the step's launch chain and capture it as CUDA graphs:
+//!   `token`  = embed + all layers (prompt tokens),
+//!   `decode` = embed + all layers + lm_head + select (one generated token, cursor advanced on device),
+//!   `logits` = final norm + lm_head (forward_logits).
+//! A step uploads the 16-byte cursor only when the device's copy is not already right (during
+//! decode it never is needed: the select kernel moved it), replays, and reads back the chosen token.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{anyhow, ensure, Context, Result};
+use calla_engine::{Backend, Selection, Sequence, TokenChoice};
+use calla_model::{ModelSpec, Weights};
+
+use crate::attention::{self, KvDtype};
+use crate::deltanet;
+use crate::forward::{self, Scratch, StateLayout};
+use crate::gpu::{Gpu, Launch};
+use crate::graph::StepGraph;
+use crate::pool::Arena;
+use crate::prefill;
+use crate::select::Selector;
+use crate::sequence::{CudaSequence, FailedSnapshot};
+use crate::weights::{self, DevModel};
+
+#[derive(Debug, Clone)]
+pub struct CudaOptions {
+    /// GPU ordinal
+    pub device: usize,
+    /// Positions per sequence (KV capacity); None = min(max_position_embeddings, 32768).
+    pub max_context: Option<usize>,
+    /// K/V cache element type. f32 by default: the engine then matches the f32 CPU reference to
+    /// rounding; bf16 halves the cache's bytes (long contexts, the performance work).
+    pub kv_cache: KvDtype,
+    /// Replay captured graphs (true) or launch kernel by kernel (debugging).
+    pub use_graphs: bool,
+    /// Print an upload progress bar on stderr.
+    pub progress: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            device: 0,
+            max_context: None,
+            kv_cache: KvDtype::F32,
+            use_graphs: true,
+            progress: false,
+        }
+    }
+}
+
+/// The device cursor (kernels/common.cuh `Cursor`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Cursor {
+    pub state_base: u64,
+    pub pos: i32,
+    pub token: i32,
+}
+
+struct Graphs {
+    token: StepGraph,
+    decode: StepGraph,
+    logits: StepGraph,
+}
+
+/// Start-up facts for logs and reports.
+#[derive(Debug, Clone)]
+pub struct CudaLoadReport {
+    pub device: String,
+    pub libraries: String,
+    pub weight_bytes: usize,
+    pub upload_seconds: f64,
+    pub kernel_modules: Vec<(String, usize, bool, f64)>,
+    pub launches_per_token: usize,
+    pub state_bytes_per_sequence: usize,
+}
+
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    spec: ModelSpec,
+    pub model: DevModel,
+    pub scratch: Scratch,
+    pub selector: Selector,
+    pub layout: StateLayout,
+    body: Vec<Launch>,
+    head: Vec<Launch>,
+    select_advance: Launch,
+    graphs: Option<Graphs>,
+    cursor_mirror: Option<Cursor>,
+    pub report: CudaLoadReport,
+    // Arenas last: dropped after everything that points into them.
+    _scratch_arena: Arena,
+    _weights_arena: Arena,
+}
+
+impl CudaBackend {
+    /// Upload `weights` (any mix of f32/bf16/f16/q4/q8 matrices) and prepare the engine.
+    pub fn new(spec: &ModelSpec, weights: &Weights, opts: &CudaOptions) -> Result<CudaBackend> {
+        let gpu = Gpu::new(opts.device)?;
+        deltanet::check_dims(spec)?;
+        attention::check_dims(spec)?;
+        let mut arena = Arena::new(&gpu, 1 << 30);
+        let bar = opts.progress.then(ProgressLine::new);
+        let progress = |done: usize, total: usize| {
+            if let Some(b) = &bar {
+                b.update(done, total);
+            }
+        };
+        let model = weights::upload_model(&gpu, &mut arena, spec, weights, Some(&progress))?;
+        if let Some(b) = &bar {
+            b.finish();
+        }
+        tracing::info!(
+            "cuda: {:.2} GB of weights uploaded in {:.2} s ({:.2} GB/s) to {}",
+            model.bytes as f64 / 1e9,
+            model.upload_seconds,
+            model.bytes as f64 / 1e9 / model.upload_seconds.max(1e-9),
+            gpu.describe()
+        );
+        Self::from_device_model(gpu, spec, model, arena, opts)
+    }
+
+    /// Build the engine around weights already on the device (synthetic benchmark models).
+    pub fn from_device_model(
+        gpu: Arc<Gpu>,
+        spec: &ModelSpec,
+        model: DevModel,
+        weights_arena: Arena,
+        opts: &CudaOptions,
+    ) -> Result<CudaBackend> {
+        let max_ctx = opts
+            .max_context
+            .unwrap_or(spec.max_position_embeddings.min(32768))
+            .max(1);
+        let layout = StateLayout::new(spec, max_ctx, opts.kv_cache);
+        let mut scratch_arena = Arena::new(&gpu, 64 << 20);
+        let scratch = Scratch::new(&mut scratch_arena, spec, max_ctx)?;
+        let selector = Selector::new(&mut scratch_arena, spec.vocab_size, max_ctx + 1)?;
+        let body = forward::body_launches(&gpu, spec, &model, &layout, &scratch)?;
+        let head = forward::head_launches(&gpu, spec, &model, &scratch)?;
+        let select_advance = selector.launch(&gpu, scratch.logits, scratch.cursor, true)?;
+        let report = CudaLoadReport {
+            device: gpu.describe(),
+            libraries: gpu.libraries.clone(),
+            weight_bytes: model.bytes,
+            upload_seconds: model.upload_seconds,
+            kernel_modules: gpu
+                .modules_report
+                .iter()
+                .map(|m| {
+                    (
+                        m.name.to_string(),
+                        m.cubin_bytes,
+                        m.from_cache,
+                        m.compile_seconds,
+                    )
+                })
+                .collect(),
+            launches_per_token: body.len() + head.len() + 1,
+            state_bytes_per_sequence: layout.bytes,
+        };
+        let mut backend = CudaBackend {
+            gpu,
+            spec: spec.clone(),
+            model,
+            scratch,
+            selector,
+            layout,
+            body,
+            head,
+            select_advance,
+            graphs: None,
+            cursor_mirror: None,
+            report,
+            _scratch_arena: scratch_arena,
+            _weights_arena: weights_arena,
+        };
+        if opts.use_graphs {
+            backend.capture()?;
+        }
+        Ok(backend)
+    }
+
+    fn capture(&mut self) -> Result<()> {
+        let start = Instant::now();
+        let mut decode: Vec<Launch> = self.body.clone();
+        decode.extend(self.head.iter().cloned());
+        decode.push(self.select_advance.clone());
+        self.graphs = Some(Graphs {
+            token: StepGraph::capture(&self.gpu, &self.body)?,
+            decode: StepGraph::capture(&self.gpu, &decode)?,
+            logits: StepGraph::capture(&self.gpu, &self.head)?,
+        });
+        tracing::info!(
+            "cuda: decode step captured as one graph of {} launches in {:.1} ms",
+            decode.len(),
+            start.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(())
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    pub fn layout(&self) -> &StateLayout {
+        &self.layout
+    }
+
+    pub fn max_context(&self) -> usize {
+        self.layout.max_ctx
+    }
+
+    /// Point the device cursor at (sequence, position, token), uploading only on change.
+    pub fn set_cursor(&mut self, seq: &CudaSequence, pos: usize, token: u32) -> Result<()> {
+        let want = Cursor {
+            state_base: seq.base().0,
+            pos: pos as i32,
+            token: token as i32,
+        };
+        if self.cursor_mirror != Some(want) {
+            self.gpu
+                .htod(self.scratch.cursor, std::slice::from_ref(&want))?;
+            self.cursor_mirror = Some(want);
+        }
+        Ok(())
+    }
+
+    /// One prompt token through the layers (no head).
+    pub(crate) fn run_token(&mut self) -> Result<()> {
+        match &self.graphs {
+            Some(g) => g.token.replay(&self.gpu),
+            None => self.body.iter().try_for_each(|l| l.run(&self.gpu)),
+        }
+    }
+
+    /// One token through layers + head + selection; the device cursor advances.
+    pub(crate) fn run_decode(&mut self) -> Result<()> {
+        match &self.graphs {
+            Some(g) => g.decode.replay(&self.gpu)?,
+            None => {
+                for l in self.body.iter().chain(self.head.iter()) {
+                    l.run(&self.gpu)?;
+                }
+                self.select_advance.run(&self.gpu)?;
+            }
+        }
+        if let Some(c) = self.cursor_mirror.as_mut() {
+            c.pos += 1;
+            c.token = -1; // chosen on the device; set after the result is read
+        }
+        Ok(())
+    }
+
+    pub(crate) fn run_logits(&mut self) -> Result<()> {
+        match &self.graphs {
+            Some(g) => g.logits.replay(&self.gpu),
+            None => self.head.iter().try_for_each(|l| l.run(&self.gpu)),
+        }
+    }
+
+    fn check_tokens(&self, seq: &CudaSequence, tokens: &[u32]) -> Result<()> {
+        ensure!(!tokens.is_empty(), "no tokens to run");
+        let v = self.spec.vocab_size;
+        if let Some(t) = tokens.iter().find(|t| **t as usize >= v) {
+            anyhow::bail!("token id {t} is outside the vocabulary ({v} entries)");
+        }
+        ensure!(
+            seq.len + tokens.len() <= self.layout.max_ctx,
+            "context full: {} + {} tokens exceed the {} positions this engine was sized for",
+            seq.len,
+            tokens.len(),
+            self.layout.max_ctx
+        );
+        Ok(())
+    }
+}
+
+fn cuda_sequence(seq: &mut dyn Sequence) -> Result<&mut CudaSequence> {
+    if let Some(f) = seq.as_any().downcast_ref::<FailedSnapshot>() {
+        return Err(anyhow!("this sequence is a snapshot that failed: {}", f.0));
+    }
+    seq.as_any_mut()
+        .downcast_mut::<CudaSequence>()
+        .ok_or_else(|| anyhow!("the sequence was not made by the cuda backend"))
+}
+
+impl Backend for CudaBackend {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn describe(&self) -> String {
+        self.gpu.describe()
+    }
+
+    fn new_sequence(&mut self) -> Result<Box<dyn Sequence>> {
+        let state = self
+            .gpu
+            .alloc(self.layout.bytes)
+            .context("allocating a sequence's state")?;
+        Ok(Box::new(CudaSequence::new(state)?))
+    }
+
+    fn step(
+        &mut self,
+        seq: &mut dyn Sequence,
+        tokens: &[u32],
+        sel: &Selection,
+    ) -> Result<TokenChoice> {
+        let seq = cuda_sequence(seq)?;
+        self.check_tokens(seq, tokens)?;
+        self.selector.prepare(&self.gpu, sel)?;
+        let (prompt, last) = tokens.split_at(tokens.len() - 1);
+        prefill::run_prompt_tokens(self, seq, prompt)?;
+        let pos = seq.len + prompt.len();
+        self.set_cursor(seq, pos, last[0])?;
+        self.run_decode()?;
+        let choice = self.selector.finish(&self.gpu)?;
+        if let Some(c) = self.cursor_mirror.as_mut() {
+            c.token = choice.token as i32;
+        }
+        seq.len += tokens.len();
+        Ok(choice)
+    }
+
+    fn forward_logits(&mut self, seq: &mut dyn Sequence, tokens: &[u32]) -> Result<Vec<f32>> {
+        let seq = cuda_sequence(seq)?;
+        self.check_tokens(seq, tokens)?;
+        prefill::run_prompt_tokens(self, seq, tokens)?;
+        self.run_logits()?;
+        let mut logits = vec![0f32; self.spec.vocab_size];
+        self.gpu.dtoh(self.scratch.logits, &mut logits)?;
+        seq.len += tokens.len();
+        Ok(logits)
+    }
+}
+
+/// A one-line progress indicator on stderr for the weight upload.
+struct ProgressLine {
+    start: Instant,
+    last: std::sync::Mutex<f64>,
+}
+
+impl ProgressLine {
+    fn new() -> ProgressLine {
+        ProgressLine {
+            start: Instant::now(),
+            last: std::sync::Mutex::new(-1.0),
+        }
+    }
+    fn update(&self, done: usize, total: usize) {
+        let frac = done as f64 / total.max(1) as f64;
+        if let Ok(mut last) = self.last.lock() {
+            if frac - *last >= 0.02 || done == total {
+                *last = frac;
+                eprint!(
+                    "\rloading weights to the GPU: {:5.1}% ({:.2}/{:.2} GB, {:.1} s)",
+                    frac * 100.0,
+                    done as f64 / 1e9,
+                    total as f64 / 1e9,
+                    self.start.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }
+    fn finish(&self) {
+        eprintln!();
+    }
+}

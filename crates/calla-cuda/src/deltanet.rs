@@ -1,0 +1,113 @@
+//! Launcher for kernels/deltanet.cu: the fused Gated DeltaNet decode step.
+
+use anyhow::{bail, ensure, Result};
+use calla_model::ModelSpec;
+
+use crate::gpu::{DPtr, Gpu, Launch};
+
+pub const THREADS: u32 = 512;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DeltaNetParams {
+    pub qkv: u64,
+    pub z: u64,
+    pub b: u64,
+    pub a: u64,
+    pub conv_w: u64,
+    pub a_log: u64,
+    pub dt_bias: u64,
+    pub norm_w: u64,
+    pub cursor: u64,
+    pub conv_off: i64,
+    pub state_off: i64,
+    pub y: u64,
+    pub hk: i32,
+    pub hv: i32,
+    pub dk: i32,
+    pub dv: i32,
+    pub k: i32,
+    pub eps: f32,
+    pub q_scale: f32,
+    pub pad: i32,
+}
+
+/// Device buffers of one DeltaNet layer's decode step.
+pub struct DeltaNetIo {
+    /// projections: qkv [C], z [Hv·Dv], b [Hv], a [Hv]
+    pub qkv: DPtr,
+    pub z: DPtr,
+    pub b: DPtr,
+    pub a: DPtr,
+    pub conv_w: DPtr,
+    pub a_log: DPtr,
+    pub dt_bias: DPtr,
+    pub norm_w: DPtr,
+    pub cursor: DPtr,
+    /// byte offsets in the sequence state of the conv ring [K, C] and S [Hv, Dv, Dk]
+    pub conv_off: usize,
+    pub state_off: usize,
+    /// output [Hv·Dv]
+    pub y: DPtr,
+}
+
+pub fn check_dims(spec: &ModelSpec) -> Result<()> {
+    let (hk, hv, dk, dv) = (
+        spec.linear_num_key_heads,
+        spec.linear_num_value_heads,
+        spec.linear_key_head_dim,
+        spec.linear_value_head_dim,
+    );
+    if !matches!(dk, 32 | 64 | 128 | 256) {
+        bail!("linear_key_head_dim {dk}: the cuda DeltaNet kernel supports 32, 64, 128 or 256");
+    }
+    ensure!(
+        dv <= 256,
+        "linear_value_head_dim {dv}: the cuda DeltaNet kernel supports ≤ 256"
+    );
+    ensure!(
+        hk > 0 && hv % hk == 0,
+        "linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {hk}"
+    );
+    ensure!(
+        spec.linear_conv_kernel_dim >= 1,
+        "linear_conv_kernel_dim must be ≥ 1"
+    );
+    Ok(())
+}
+
+pub fn decode(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo) -> Result<Launch> {
+    check_dims(spec)?;
+    let dk = spec.linear_key_head_dim;
+    let p = DeltaNetParams {
+        qkv: io.qkv.0,
+        z: io.z.0,
+        b: io.b.0,
+        a: io.a.0,
+        conv_w: io.conv_w.0,
+        a_log: io.a_log.0,
+        dt_bias: io.dt_bias.0,
+        norm_w: io.norm_w.0,
+        cursor: io.cursor.0,
+        conv_off: io.conv_off as i64,
+        state_off: io.state_off as i64,
+        y: io.y.0,
+        hk: spec.linear_num_key_heads as i32,
+        hv: spec.linear_num_value_heads as i32,
+        dk: dk as i32,
+        dv: spec.linear_value_head_dim as i32,
+        k: spec.linear_conv_kernel_dim as i32,
+        eps: spec.rms_norm_eps,
+        q_scale: (dk as f32).powf(-0.5),
+        pad: 0,
+    };
+    let name = format!("deltanet_decode_kpl{}", dk / 32);
+    Launch::new(
+        gpu,
+        &name,
+        (spec.linear_num_value_heads as u32, 1, 1),
+        THREADS,
+        0,
+        &p,
+    )
+}

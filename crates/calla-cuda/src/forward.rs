@@ -1,0 +1,374 @@
+//! The decode step as a fixed chain of launches, built once per backend:
+//!
+//!   embed(cursor.token) → h
+//!   per layer:  DeltaNet: matvec[qkv|z|b|a](rmsnorm(h)) → deltanet_decode → h += out_proj·y
+//!               attention: matvec[q+gate|k|v](rmsnorm(h)) → prep → split-KV decode → combine+gate
+//!                          → h += o_proj·y
+//!               MoE: router+top-k(rmsnorm(h)) → gate/up (routed + shared) → h += down+combine
+//!   head: logits = lm_head·rmsnorm(h) → select (argmax / sampling, advances the cursor)
+//!
+//! Everything that changes between steps (token, position, the sequence's state address, sampling
+//! settings and draw counter) is read from device memory, so the chain is captured once as a graph.
+//! Legend: D hidden, C conv channels, Hk/Hv DeltaNet heads, Dk/Dv their dims, Hq/Hkv attention heads,
+//! Dh head dim, E experts, A active experts, I/Is expert/shared intermediate, V vocabulary.
+
+use anyhow::{ensure, Result};
+use calla_model::{FeedForwardSpec, LayerKind, ModelSpec};
+
+use crate::attention::{self, AttentionIo, KvDtype};
+use crate::deltanet::{self, DeltaNetIo};
+use crate::gpu::{DPtr, Gpu, Launch};
+use crate::matvec;
+use crate::moe::{self, MoeIo, MoeWeightsRef};
+use crate::pool::Arena;
+use crate::weights::{DevFfn, DevMixer, DevModel};
+
+/// Byte offsets of each layer's state inside a sequence's state buffer.
+#[derive(Debug, Clone)]
+pub struct StateLayout {
+    /// per layer: DeltaNet (conv ring [K, C] f32, S [Hv, Dv, Dk] f32) or attention (K, V caches
+    /// [Hkv, max_ctx, Dh]) offsets
+    pub layers: Vec<(usize, usize)>,
+    pub bytes: usize,
+    pub max_ctx: usize,
+    pub kv: KvDtype,
+    /// bytes of one position's K and V over all attention layers
+    pub kv_bytes_per_token: usize,
+}
+
+impl StateLayout {
+    pub fn new(spec: &ModelSpec, max_ctx: usize, kv: KvDtype) -> StateLayout {
+        let align = |n: usize| n.div_ceil(256) * 256;
+        let mut off = 0;
+        let mut layers = Vec::new();
+        for kind in &spec.layers {
+            match kind {
+                LayerKind::DeltaNet => {
+                    let conv = spec.linear_conv_kernel_dim * spec.linear_conv_dim() * 4;
+                    let s = spec.linear_num_value_heads
+                        * spec.linear_value_head_dim
+                        * spec.linear_key_head_dim
+                        * 4;
+                    layers.push((off, off + align(conv)));
+                    off += align(conv) + align(s);
+                }
+                LayerKind::Attention => {
+                    let cache = spec.num_key_value_heads * max_ctx * spec.head_dim * kv.size();
+                    layers.push((off, off + align(cache)));
+                    off += 2 * align(cache);
+                }
+            }
+        }
+        let kv_bytes_per_token =
+            spec.num_attention_layers() * 2 * spec.num_key_value_heads * spec.head_dim * kv.size();
+        StateLayout {
+            layers,
+            bytes: off,
+            max_ctx,
+            kv,
+            kv_bytes_per_token,
+        }
+    }
+}
+
+/// Per-step activations and scratch, allocated once.
+pub struct Scratch {
+    pub cursor: DPtr,
+    /// residual stream [D]
+    pub h: DPtr,
+    pub dn_qkv: DPtr,
+    pub dn_z: DPtr,
+    pub dn_b: DPtr,
+    pub dn_a: DPtr,
+    pub dn_y: DPtr,
+    pub at_qg: DPtr,
+    pub at_k: DPtr,
+    pub at_v: DPtr,
+    pub at_q: DPtr,
+    pub at_y: DPtr,
+    pub part_m: DPtr,
+    pub part_l: DPtr,
+    pub part_acc: DPtr,
+    pub nsplit: usize,
+    pub xn: DPtr,
+    pub router_logits: DPtr,
+    pub topk_ids: DPtr,
+    pub topk_w: DPtr,
+    pub shared_w: DPtr,
+    pub router_counter: DPtr,
+    pub act: DPtr,
+    pub act_stride: usize,
+    pub one: DPtr,
+    /// [V]
+    pub logits: DPtr,
+}
+
+impl Scratch {
+    pub fn new(arena: &mut Arena, spec: &ModelSpec, max_ctx: usize) -> Result<Scratch> {
+        let d = spec.hidden_size;
+        let (hq, dh) = (spec.num_attention_heads, spec.head_dim);
+        let nsplit = attention::num_splits(max_ctx);
+        let (e, a, i, is) = match &spec.feed_forward {
+            FeedForwardSpec::Moe {
+                num_experts,
+                top_k,
+                expert_intermediate,
+                shared_intermediate,
+                ..
+            } => (
+                *num_experts,
+                *top_k,
+                *expert_intermediate,
+                *shared_intermediate,
+            ),
+            FeedForwardSpec::Dense { intermediate } => (0, 0, 0, *intermediate),
+        };
+        let act_stride = i.max(is).max(1);
+        let mut f32s = |n: usize| arena.alloc_zeroed(n.max(1) * 4);
+        let scratch = Scratch {
+            cursor: f32s(4)?,
+            h: f32s(d)?,
+            dn_qkv: f32s(spec.linear_conv_dim())?,
+            dn_z: f32s(spec.linear_value_dim())?,
+            dn_b: f32s(spec.linear_num_value_heads)?,
+            dn_a: f32s(spec.linear_num_value_heads)?,
+            dn_y: f32s(spec.linear_value_dim())?,
+            at_qg: f32s(spec.q_proj_rows())?,
+            at_k: f32s(spec.kv_dim())?,
+            at_v: f32s(spec.kv_dim())?,
+            at_q: f32s(hq * dh)?,
+            at_y: f32s(hq * dh)?,
+            part_m: f32s(hq * nsplit)?,
+            part_l: f32s(hq * nsplit)?,
+            part_acc: f32s(hq * nsplit * dh)?,
+            nsplit,
+            xn: f32s(d)?,
+            router_logits: f32s(e + 1)?,
+            topk_ids: f32s(a)?,
+            topk_w: f32s(a)?,
+            shared_w: f32s(1)?,
+            router_counter: f32s(1)?,
+            act: f32s((a + 1) * act_stride)?,
+            act_stride,
+            one: f32s(1)?,
+            logits: f32s(spec.vocab_size)?,
+        };
+        arena_upload_one(arena, scratch.one)?;
+        Ok(scratch)
+    }
+}
+
+fn arena_upload_one(arena: &mut Arena, at: DPtr) -> Result<()> {
+    arena.gpu().htod(at, &[1.0f32])
+}
+
+/// The launches of one layer for one token: `h += mixer(rmsnorm(h))`, then `h += ffn(rmsnorm(h))`.
+pub fn layer_launches(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    layout: &StateLayout,
+    s: &Scratch,
+    i: usize,
+) -> Result<Vec<Launch>> {
+    let mut out = mixer_launches(gpu, spec, model, layout, s, i)?;
+    out.extend(ffn_launches(gpu, spec, model, s, i)?);
+    Ok(out)
+}
+
+/// `h += mixer(rmsnorm(h))` (DeltaNet or attention) for layer `i`.
+pub fn mixer_launches(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    layout: &StateLayout,
+    s: &Scratch,
+    i: usize,
+) -> Result<Vec<Launch>> {
+    let d = spec.hidden_size;
+    let layer = &model.layers[i];
+    let eps = spec.rms_norm_eps;
+    let mut out = Vec::new();
+    match &layer.mixer {
+        DevMixer::DeltaNet(w) => {
+            let (conv_off, state_off) = layout.layers[i];
+            let outs = [s.dn_qkv, s.dn_z, s.dn_b, s.dn_a];
+            let segs: Vec<_> = w.in_proj.iter().copied().zip(outs).collect();
+            out.extend(matvec::matvec(
+                gpu,
+                s.h,
+                d,
+                Some((layer.input_gain, eps)),
+                &segs,
+                false,
+            )?);
+            out.push(deltanet::decode(
+                gpu,
+                spec,
+                &DeltaNetIo {
+                    qkv: s.dn_qkv,
+                    z: s.dn_z,
+                    b: s.dn_b,
+                    a: s.dn_a,
+                    conv_w: w.conv_w,
+                    a_log: w.a_log,
+                    dt_bias: w.dt_bias,
+                    norm_w: w.norm_w,
+                    cursor: s.cursor,
+                    conv_off,
+                    state_off,
+                    y: s.dn_y,
+                },
+            )?);
+            out.extend(matvec::matvec(
+                gpu,
+                s.dn_y,
+                spec.linear_value_dim(),
+                None,
+                &[(w.out_proj, s.h)],
+                true,
+            )?);
+        }
+        DevMixer::Attention(w) => {
+            let (k_off, v_off) = layout.layers[i];
+            let segs: Vec<_> = w
+                .in_proj
+                .iter()
+                .copied()
+                .zip([s.at_qg, s.at_k, s.at_v])
+                .collect();
+            out.extend(matvec::matvec(
+                gpu,
+                s.h,
+                d,
+                Some((layer.input_gain, eps)),
+                &segs,
+                false,
+            )?);
+            out.extend(attention::decode(
+                gpu,
+                spec,
+                layout.kv,
+                layout.max_ctx,
+                &AttentionIo {
+                    qg: s.at_qg,
+                    k: s.at_k,
+                    v: s.at_v,
+                    q_gain: w.q_gain,
+                    k_gain: w.k_gain,
+                    inv_freq: model.inv_freq,
+                    cursor: s.cursor,
+                    k_off,
+                    v_off,
+                    q: s.at_q,
+                    part_m: s.part_m,
+                    part_l: s.part_l,
+                    part_acc: s.part_acc,
+                    nsplit: s.nsplit,
+                    y: s.at_y,
+                },
+            )?);
+            let k = spec.num_attention_heads * spec.head_dim;
+            out.extend(matvec::matvec(
+                gpu,
+                s.at_y,
+                k,
+                None,
+                &[(w.o_proj, s.h)],
+                true,
+            )?);
+        }
+    }
+    Ok(out)
+}
+
+/// `h += ffn(rmsnorm(h))` (MoE with the shared expert, or the dense MLP) for layer `i`.
+pub fn ffn_launches(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    s: &Scratch,
+    i: usize,
+) -> Result<Vec<Launch>> {
+    let layer = &model.layers[i];
+    let eps = spec.rms_norm_eps;
+    let mut out = Vec::new();
+    let io = MoeIo {
+        h: s.h,
+        norm_gain: layer.post_gain,
+        eps,
+        xn: s.xn,
+        logits: s.router_logits,
+        topk_ids: s.topk_ids,
+        topk_w: s.topk_w,
+        shared_w: s.shared_w,
+        counter: s.router_counter,
+        act: s.act,
+        act_stride: s.act_stride,
+        one: s.one,
+    };
+    match (&layer.ffn, &spec.feed_forward) {
+        (
+            DevFfn::Moe(m),
+            FeedForwardSpec::Moe {
+                num_experts,
+                top_k,
+                norm_topk_prob,
+                ..
+            },
+        ) => {
+            let w = MoeWeightsRef {
+                router: &m.router,
+                gate_up: &m.gate_up,
+                down: &m.down,
+                experts: *num_experts,
+                top_k: *top_k,
+                norm_topk: *norm_topk_prob,
+                shared: m.shared.as_ref().map(|(a, b)| (a, b)),
+                shared_gate: m.shared_gate,
+            };
+            out.extend(moe::moe(gpu, &w, &io)?);
+        }
+        (DevFfn::Dense(m), FeedForwardSpec::Dense { .. }) => {
+            out.extend(moe::dense_mlp(gpu, &m.gate_up, &m.down, &io)?)
+        }
+        _ => anyhow::bail!("layer {i}: feed-forward weights do not match the config"),
+    }
+    Ok(out)
+}
+
+/// embed + every layer: one token through the model (no head).
+pub fn body_launches(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    layout: &StateLayout,
+    s: &Scratch,
+) -> Result<Vec<Launch>> {
+    ensure!(
+        model.layers.len() == spec.num_layers(),
+        "model and spec disagree on layers"
+    );
+    let mut out = vec![matvec::embed(gpu, &model.embed, s.cursor, s.h)?];
+    for i in 0..spec.num_layers() {
+        out.extend(layer_launches(gpu, spec, model, layout, s, i)?);
+    }
+    Ok(out)
+}
+
+/// Final norm + lm_head into `s.logits`.
+pub fn head_launches(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    s: &Scratch,
+) -> Result<Vec<Launch>> {
+    matvec::matvec(
+        gpu,
+        s.h,
+        spec.hidden_size,
+        Some((model.final_gain, spec.rms_norm_eps)),
+        &[(model.lm_head, s.logits)],
+        false,
+    )
+}

@@ -1,0 +1,57 @@
+//! Capturing a fixed chain of launches as a CUDA graph and replaying it.
+//!
+//! A step's launches read everything that changes between replays (token, position, the sequence's
+//! state address, sampling settings, the draw counter) from device memory, so one captured graph
+//! serves every step of every sequence.
+
+use std::sync::Arc;
+
+use anyhow::{anyhow, Context, Result};
+use cudarc::driver::{sys, CudaGraph};
+
+use crate::gpu::{Gpu, Launch};
+
+pub struct StepGraph {
+    graph: CudaGraph,
+    pub launches: usize,
+}
+
+// SAFETY: a CudaGraph is not internally synchronised; a StepGraph is owned by one backend, which
+// the engine drives from one thread at a time (Backend is Send, not Sync; replays take &mut self).
+unsafe impl Send for StepGraph {}
+
+impl StepGraph {
+    /// Capture `launches` (in order) into an instantiated graph. Nothing may allocate meanwhile.
+    pub fn capture(gpu: &Arc<Gpu>, launches: &[Launch]) -> Result<StepGraph> {
+        gpu.bind()?;
+        gpu.sync()?;
+        gpu.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .context("beginning graph capture")?;
+        let mut failed = None;
+        for l in launches {
+            if let Err(e) = l.run(gpu) {
+                failed = Some(e);
+                break;
+            }
+        }
+        let graph = gpu
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .context("ending graph capture")?;
+        if let Some(e) = failed {
+            return Err(e.context("a launch failed during graph capture"));
+        }
+        let graph = graph.ok_or_else(|| anyhow!("graph capture produced no graph"))?;
+        graph.upload().context("uploading the graph")?;
+        Ok(StepGraph {
+            graph,
+            launches: launches.len(),
+        })
+    }
+
+    pub fn replay(&self, gpu: &Gpu) -> Result<()> {
+        gpu.bind()?;
+        self.graph.launch().context("launching the step graph")
+    }
+}

@@ -1,0 +1,66 @@
+//! The kernel sources, embedded in the binary (one source of truth: `kernels/*.cu`).
+
+/// One NVRTC program: a kernel family's `.cu`, compiled after `common.cuh`.
+pub struct KernelSource {
+    /// module name (cache file names, logs)
+    pub name: &'static str,
+    /// file name, for compiler messages
+    pub file: &'static str,
+    pub source: &'static str,
+}
+
+pub const COMMON_HEADER: &str = include_str!("../kernels/common.cuh");
+
+macro_rules! kernel_source {
+    ($name:literal) => {
+        KernelSource {
+            name: $name,
+            file: concat!($name, ".cu"),
+            source: include_str!(concat!("../kernels/", $name, ".cu")),
+        }
+    };
+}
+
+pub const MATVEC: KernelSource = kernel_source!("matvec");
+pub const DELTANET: KernelSource = kernel_source!("deltanet");
+pub const ATTENTION: KernelSource = kernel_source!("attention");
+pub const MOE: KernelSource = kernel_source!("moe");
+pub const SELECT: KernelSource = kernel_source!("select");
+pub const FILL: KernelSource = kernel_source!("fill");
+
+// The prompt (prefill) modules: kernels/mma.cuh (tensor-core helpers) is prepended to each.
+macro_rules! prefill_kernel_source {
+    ($name:literal) => {
+        KernelSource {
+            name: $name,
+            file: concat!($name, ".cu"),
+            source: concat!(
+                "#line 1 \"mma.cuh\"\n",
+                include_str!("../kernels/mma.cuh"),
+                "\n#line 1 \"",
+                $name,
+                ".cu\"\n",
+                include_str!(concat!("../kernels/", $name, ".cu"))
+            ),
+        }
+    };
+}
+
+pub const GEMM: KernelSource = prefill_kernel_source!("gemm");
+pub const DELTANET_PREFILL: KernelSource = prefill_kernel_source!("deltanet_prefill");
+pub const ATTENTION_PREFILL: KernelSource = prefill_kernel_source!("attention_prefill");
+pub const MOE_PREFILL: KernelSource = prefill_kernel_source!("moe_prefill");
+
+/// Every module, in load order.
+pub const ALL: &[&KernelSource] = &[
+    &MATVEC,
+    &DELTANET,
+    &ATTENTION,
+    &MOE,
+    &SELECT,
+    &FILL,
+    &GEMM,
+    &DELTANET_PREFILL,
+    &ATTENTION_PREFILL,
+    &MOE_PREFILL,
+];

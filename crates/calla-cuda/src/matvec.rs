@@ -1,0 +1,155 @@
+//! Launcher for kernels/matvec.cu: decode matrix-vector products (with the fused input RMSNorm and
+//! residual-add epilogue) and the embedding gather.
+
+use anyhow::{ensure, Result};
+
+use crate::gpu::{DPtr, Gpu, Launch};
+use crate::weights::{DevMatrix, Format, MatrixRef};
+
+pub const THREADS: u32 = 256;
+const MAX_SEGMENTS: usize = 4;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MatvecSegment {
+    pub m: MatrixRef,
+    pub out: u64,
+    pub rows: i32,
+    pub pad: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MatvecParams {
+    pub x: u64,
+    pub norm_gain: u64,
+    pub seg: [MatvecSegment; MAX_SEGMENTS],
+    pub k: i32,
+    pub nseg: i32,
+    pub group_size: i32,
+    pub eps: f32,
+    pub accumulate: i32,
+    pub total_rows: i32,
+}
+
+/// Lanes that share one row (common.cuh `lanes_per_row`).
+pub fn lanes_per_row(units: usize) -> usize {
+    let mut w = 1;
+    while w * 2 <= units && w < 32 {
+        w *= 2;
+    }
+    w
+}
+
+/// `out_i (+)= W_i · x̂` for every segment (W_i, out_i), where x̂ = rmsnorm₀(x)·gain when `norm` is
+/// given. Segments that share a format go into one launch (at most 4 per launch).
+/// Shapes: x [K]; W_i [rows_i, K]; out_i [rows_i] (f32).
+pub fn matvec(
+    gpu: &Gpu,
+    x: DPtr,
+    k: usize,
+    norm: Option<(DPtr, f32)>,
+    segments: &[(DevMatrix, DPtr)],
+    accumulate: bool,
+) -> Result<Vec<Launch>> {
+    let mut launches = Vec::new();
+    let mut remaining: Vec<&(DevMatrix, DPtr)> = segments.iter().collect();
+    while !remaining.is_empty() {
+        let first = remaining[0].0;
+        let key = (first.format, first.group_size);
+        let (same, rest): (Vec<_>, Vec<_>) = remaining
+            .iter()
+            .partition(|(m, _)| (m.format, m.group_size) == key);
+        remaining = rest;
+        for chunk in same.chunks(MAX_SEGMENTS) {
+            launches.push(matvec_one(gpu, x, k, norm, chunk, accumulate)?);
+        }
+    }
+    Ok(launches)
+}
+
+fn matvec_one(
+    gpu: &Gpu,
+    x: DPtr,
+    k: usize,
+    norm: Option<(DPtr, f32)>,
+    segments: &[&(DevMatrix, DPtr)],
+    accumulate: bool,
+) -> Result<Launch> {
+    let format = segments[0].0.format;
+    let mut p = MatvecParams {
+        x: x.0,
+        norm_gain: norm.map(|n| n.0 .0).unwrap_or(0),
+        k: k as i32,
+        nseg: segments.len() as i32,
+        group_size: segments[0].0.group_size.max(1) as i32,
+        eps: norm.map(|n| n.1).unwrap_or(0.0),
+        accumulate: accumulate as i32,
+        ..Default::default()
+    };
+    let mut total = 0usize;
+    for (i, (m, out)) in segments.iter().enumerate() {
+        ensure!(
+            m.cols == k,
+            "matvec: matrix has {} columns, input has {k}",
+            m.cols
+        );
+        ensure!(m.format == format, "matvec: mixed formats in one launch");
+        p.seg[i] = MatvecSegment {
+            m: m.kref(),
+            out: out.0,
+            rows: m.rows as i32,
+            pad: 0,
+        };
+        total += m.rows;
+    }
+    p.total_rows = total as i32;
+    let width = lanes_per_row(k / format.per_unit());
+    let rows_per_pass = THREADS as usize / width;
+    let passes = total.div_ceil(rows_per_pass);
+    let grid = passes.min(gpu.sm_count as usize * 8).max(1);
+    let name = format!("matvec_{}", format.suffix());
+    Launch::new(gpu, &name, (grid as u32, 1, 1), THREADS, (k * 4) as u32, &p)
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EmbedParams {
+    pub m: MatrixRef,
+    pub cursor: u64,
+    pub out: u64,
+    pub d: i32,
+    pub group_size: i32,
+    pub rows: i32,
+    pub pad: i32,
+}
+
+/// `out = E[cursor.token]` (dequantised to f32). out [D].
+pub fn embed(gpu: &Gpu, table: &DevMatrix, cursor: DPtr, out: DPtr) -> Result<Launch> {
+    let p = EmbedParams {
+        m: table.kref(),
+        cursor: cursor.0,
+        out: out.0,
+        d: table.cols as i32,
+        group_size: table.group_size.max(1) as i32,
+        rows: table.rows as i32,
+        pad: 0,
+    };
+    Launch::new(
+        gpu,
+        &format!("embed_{}", table.format.suffix()),
+        (1, 1, 1),
+        256,
+        0,
+        &p,
+    )
+}
+
+/// The weight formats every launcher instantiates (for tests and the format check at load).
+pub const FORMATS: [Format; 5] = [
+    Format::F32,
+    Format::Bf16,
+    Format::F16,
+    Format::Q4,
+    Format::Q8,
+];

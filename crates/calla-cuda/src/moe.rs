@@ -1,0 +1,322 @@
+//! Launcher for kernels/moe.cu: router + top-k on the device, routed and shared gate/up, down with
+//! the weighted combine and the residual add. Also the dense SwiGLU MLP (one "shared" slot).
+
+use anyhow::{ensure, Result};
+
+use crate::gpu::{DPtr, Gpu, Launch};
+use crate::weights::{DevMatrix, MatrixRef};
+
+pub const THREADS: u32 = 256;
+pub const MAX_EXPERTS: usize = 1024;
+pub const MAX_ACTIVE: usize = 32;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouterParams {
+    pub h: u64,
+    pub norm_gain: u64,
+    pub router: MatrixRef,
+    pub shared_gate: u64,
+    pub xn: u64,
+    pub logits: u64,
+    pub topk_ids: u64,
+    pub topk_w: u64,
+    pub shared_w: u64,
+    pub counter: u64,
+    pub d: i32,
+    pub e: i32,
+    pub a: i32,
+    pub norm_topk: i32,
+    pub group_size: i32,
+    pub eps: f32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GateUpParams {
+    pub x: u64,
+    pub norm_gain: u64,
+    pub experts: MatrixRef,
+    pub shared: MatrixRef,
+    pub topk_ids: u64,
+    pub act: u64,
+    pub d: i32,
+    pub i: i32,
+    pub is: i32,
+    pub a: i32,
+    pub group_size: i32,
+    pub act_stride: i32,
+    pub slot_offset: i32,
+    pub eps: f32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DownParams {
+    pub act: u64,
+    pub experts: MatrixRef,
+    pub shared: MatrixRef,
+    pub topk_ids: u64,
+    pub topk_w: u64,
+    pub shared_w: u64,
+    pub h: u64,
+    pub d: i32,
+    pub i: i32,
+    pub is: i32,
+    pub a: i32,
+    pub group_size: i32,
+    pub act_stride: i32,
+    pub slot_begin: i32,
+    pub slot_end: i32,
+}
+
+/// Device buffers of one MoE (or dense MLP) step.
+pub struct MoeIo {
+    /// residual stream [D] (read, then += the block's output)
+    pub h: DPtr,
+    /// post-attention norm gain [D]
+    pub norm_gain: DPtr,
+    pub eps: f32,
+    /// scratch: x̂ [D], logits [E + 1], top ids [A] i32, weights [A], shared weight [1], ticket u32,
+    /// act [A + 1, act_stride]
+    pub xn: DPtr,
+    pub logits: DPtr,
+    pub topk_ids: DPtr,
+    pub topk_w: DPtr,
+    pub shared_w: DPtr,
+    pub counter: DPtr,
+    pub act: DPtr,
+    pub act_stride: usize,
+    /// a device 1.0 (the dense MLP's slot weight)
+    pub one: DPtr,
+}
+
+/// Routed experts: router [E, D], gate/up [E·2I, D], down [E·D, I].
+pub struct MoeWeightsRef<'a> {
+    pub router: &'a DevMatrix,
+    pub gate_up: &'a DevMatrix,
+    pub down: &'a DevMatrix,
+    pub experts: usize,
+    pub top_k: usize,
+    pub norm_topk: bool,
+    /// shared expert [2Is, D], [D, Is]
+    pub shared: Option<(&'a DevMatrix, &'a DevMatrix)>,
+    /// sigmoid gate of the shared expert [D] f32
+    pub shared_gate: Option<DPtr>,
+}
+
+fn gate_up_launch(
+    gpu: &Gpu,
+    io: &MoeIo,
+    x: DPtr,
+    norm: bool,
+    routed: Option<(&DevMatrix, usize, usize)>,
+    shared: Option<&DevMatrix>,
+    slots: (usize, usize),
+) -> Result<Launch> {
+    let fmt = routed.map(|r| r.0).or(shared).expect("a slot").format;
+    let d = routed
+        .map(|r| r.0.cols)
+        .or(shared.map(|s| s.cols))
+        .unwrap_or(0);
+    let (i, a) = routed.map(|r| (r.1, r.2)).unwrap_or((0, 0));
+    let is = shared.map(|s| s.rows / 2).unwrap_or(0);
+    let p = GateUpParams {
+        x: x.0,
+        norm_gain: if norm { io.norm_gain.0 } else { 0 },
+        experts: routed.map(|r| r.0.kref()).unwrap_or_default(),
+        shared: shared.map(|s| s.kref()).unwrap_or_default(),
+        topk_ids: io.topk_ids.0,
+        act: io.act.0,
+        d: d as i32,
+        i: i as i32,
+        is: is as i32,
+        a: a as i32,
+        group_size: routed
+            .map(|r| r.0)
+            .or(shared)
+            .map(|m| m.group_size.max(1))
+            .unwrap_or(1) as i32,
+        act_stride: io.act_stride as i32,
+        slot_offset: slots.0 as i32,
+        eps: io.eps,
+    };
+    let width = crate::matvec::lanes_per_row(d / fmt.per_unit());
+    let rows_per_pass = THREADS as usize / width;
+    let n = i.max(is);
+    let grid_x = n.div_ceil(rows_per_pass).max(1);
+    Launch::new(
+        gpu,
+        &format!("moe_gate_up_{}", fmt.suffix()),
+        (grid_x as u32, (slots.1 - slots.0) as u32, 1),
+        THREADS,
+        (d * 4) as u32,
+        &p,
+    )
+}
+
+fn down_launch(
+    gpu: &Gpu,
+    io: &MoeIo,
+    routed: Option<(&DevMatrix, usize)>,
+    shared: Option<(&DevMatrix, DPtr)>,
+    a: usize,
+    slots: (usize, usize),
+) -> Result<Launch> {
+    let m = routed.map(|r| r.0).or(shared.map(|s| s.0)).expect("a slot");
+    let d = routed.map(|r| r.1).unwrap_or(m.rows);
+    let p = DownParams {
+        act: io.act.0,
+        experts: routed.map(|r| r.0.kref()).unwrap_or_default(),
+        shared: shared.map(|s| s.0.kref()).unwrap_or_default(),
+        topk_ids: io.topk_ids.0,
+        topk_w: io.topk_w.0,
+        shared_w: shared.map(|s| s.1).unwrap_or(io.shared_w).0,
+        h: io.h.0,
+        d: d as i32,
+        i: routed.map(|r| r.0.cols).unwrap_or(0) as i32,
+        is: shared.map(|s| s.0.cols).unwrap_or(0) as i32,
+        a: a as i32,
+        group_size: m.group_size.max(1) as i32,
+        act_stride: io.act_stride as i32,
+        slot_begin: slots.0 as i32,
+        slot_end: slots.1 as i32,
+    };
+    let rows_per_block = THREADS as usize / 32;
+    let smem = (slots.1 - slots.0) * io.act_stride * 4;
+    Launch::new(
+        gpu,
+        &format!("moe_down_{}", m.format.suffix()),
+        (d.div_ceil(rows_per_block) as u32, 1, 1),
+        THREADS,
+        smem as u32,
+        &p,
+    )
+}
+
+/// The sparse MoE block: router+top-k, gate/up, down+combine+residual (3 launches when the shared
+/// expert has the routed experts' format; 5 otherwise).
+pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
+    let d = w.router.cols;
+    let (e, a) = (w.experts, w.top_k);
+    ensure!(
+        e <= MAX_EXPERTS && a <= MAX_ACTIVE && a <= e,
+        "{e} experts, top {a}: the cuda router supports ≤ {MAX_EXPERTS} and top ≤ {MAX_ACTIVE}"
+    );
+    let i = w.gate_up.rows / (2 * e);
+    ensure!(
+        w.gate_up.rows == 2 * e * i && w.down.rows == e * d && w.down.cols == i,
+        "expert shapes inconsistent"
+    );
+    let p = RouterParams {
+        h: io.h.0,
+        norm_gain: io.norm_gain.0,
+        router: w.router.kref(),
+        shared_gate: w.shared_gate.map(|g| g.0).unwrap_or(0),
+        xn: io.xn.0,
+        logits: io.logits.0,
+        topk_ids: io.topk_ids.0,
+        topk_w: io.topk_w.0,
+        shared_w: io.shared_w.0,
+        counter: io.counter.0,
+        d: d as i32,
+        e: e as i32,
+        a: a as i32,
+        norm_topk: w.norm_topk as i32,
+        group_size: w.router.group_size.max(1) as i32,
+        eps: io.eps,
+    };
+    let rows_per_block = THREADS as usize / 32;
+    let mut launches = vec![Launch::new(
+        gpu,
+        &format!("moe_router_{}", w.router.format.suffix()),
+        ((e + 1).div_ceil(rows_per_block) as u32, 1, 1),
+        THREADS,
+        (d * 4) as u32,
+        &p,
+    )?];
+    let same = w.shared.map(|(gu, dn)| {
+        (gu.format, gu.group_size) == (w.gate_up.format, w.gate_up.group_size)
+            && (dn.format, dn.group_size) == (w.down.format, w.down.group_size)
+    });
+    match (w.shared, same) {
+        (Some((sgu, _)), Some(true)) => {
+            launches.push(gate_up_launch(
+                gpu,
+                io,
+                io.xn,
+                false,
+                Some((w.gate_up, i, a)),
+                Some(sgu),
+                (0, a + 1),
+            )?);
+        }
+        (Some((sgu, _)), _) => {
+            launches.push(gate_up_launch(
+                gpu,
+                io,
+                io.xn,
+                false,
+                Some((w.gate_up, i, a)),
+                None,
+                (0, a),
+            )?);
+            launches.push(gate_up_launch(
+                gpu,
+                io,
+                io.xn,
+                false,
+                None,
+                Some(sgu),
+                (a, a + 1),
+            )?);
+        }
+        (None, _) => launches.push(gate_up_launch(
+            gpu,
+            io,
+            io.xn,
+            false,
+            Some((w.gate_up, i, a)),
+            None,
+            (0, a),
+        )?),
+    }
+    match (w.shared, same) {
+        (Some((_, sdn)), Some(true)) => {
+            launches.push(down_launch(
+                gpu,
+                io,
+                Some((w.down, d)),
+                Some((sdn, io.shared_w)),
+                a,
+                (0, a + 1),
+            )?);
+        }
+        (Some((_, sdn)), _) => {
+            launches.push(down_launch(gpu, io, Some((w.down, d)), None, a, (0, a))?);
+            launches.push(down_launch(
+                gpu,
+                io,
+                None,
+                Some((sdn, io.shared_w)),
+                a,
+                (a, a + 1),
+            )?);
+        }
+        (None, _) => launches.push(down_launch(gpu, io, Some((w.down, d)), None, a, (0, a))?),
+    }
+    Ok(launches)
+}
+
+/// A dense SwiGLU MLP (gate/up [2I, D], down [D, I]) on h, normalised in the gate/up prologue.
+pub fn dense_mlp(
+    gpu: &Gpu,
+    gate_up: &DevMatrix,
+    down: &DevMatrix,
+    io: &MoeIo,
+) -> Result<Vec<Launch>> {
+    Ok(vec![
+        gate_up_launch(gpu, io, io.h, true, None, Some(gate_up), (0, 1))?,
+        down_launch(gpu, io, None, Some((down, io.one)), 0, (0, 1))?,
+    ])
+}

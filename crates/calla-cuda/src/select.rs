@@ -1,0 +1,299 @@
+//! Launcher for kernels/select.cu: token selection on the device (calla_engine::sampling rules),
+//! plus the device-side state it reads: the per-request configuration and the penalty tables.
+
+use anyhow::{bail, ensure, Result};
+use calla_engine::{Selection, TokenChoice};
+
+use crate::gpu::{DPtr, Gpu, Launch};
+use crate::pool::Arena;
+
+pub const THREADS: u32 = 256;
+pub const MAX_LOGPROBS: usize = 20;
+pub const MAX_CANDIDATES: usize = 64;
+const MAX_BLOCKS: usize = 64;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SelectConfig {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub rep_penalty: f32,
+    pub presence: f32,
+    pub frequency: f32,
+    pub top_k: i32,
+    pub n_logprobs: i32,
+    pub seed_lo: u32,
+    pub seed_hi: u32,
+    pub step_lo: u32,
+    pub step_hi: u32,
+    pub use_bias: i32,
+    pub use_seen: i32,
+    pub use_counts: i32,
+    pub pad: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct SelectResult {
+    pub token: i32,
+    pub logprob: f32,
+    pub n_top: i32,
+    pub sampled: i32,
+    pub top_ids: [i32; MAX_LOGPROBS],
+    pub top_logprobs: [f32; MAX_LOGPROBS],
+}
+
+impl Default for SelectResult {
+    fn default() -> Self {
+        SelectResult {
+            token: -1,
+            logprob: 0.0,
+            n_top: 0,
+            sampled: 0,
+            top_ids: [0; MAX_LOGPROBS],
+            top_logprobs: [0.0; MAX_LOGPROBS],
+        }
+    }
+}
+
+/// select.cu SelectPartial: 8 words + 20 + 20 + 64 + 64.
+const PARTIAL_BYTES: usize = 4 * (8 + 2 * MAX_LOGPROBS + 2 * MAX_CANDIDATES);
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SelectParams {
+    pub logits: u64,
+    pub config: u64,
+    pub partials: u64,
+    pub counter: u64,
+    pub result: u64,
+    pub cursor: u64,
+    pub bias: u64,
+    pub seen: u64,
+    pub counts: u64,
+    pub v: i32,
+    pub chunk: i32,
+    pub advance: i32,
+    pub pad: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PenaltyParams {
+    pub prompt_ids: u64,
+    pub output_ids: u64,
+    pub seen: u64,
+    pub counts: u64,
+    pub n_prompt: i32,
+    pub n_output: i32,
+    pub v: i32,
+    pub pad: i32,
+}
+
+/// The device buffers of token selection, and host mirrors of what they hold (so uploads happen
+/// only when a request's settings change).
+pub struct Selector {
+    pub vocab: usize,
+    pub config: DPtr,
+    pub partials: DPtr,
+    pub counter: DPtr,
+    pub result: DPtr,
+    pub bias: DPtr,
+    pub seen: DPtr,
+    pub counts: DPtr,
+    /// staging for penalty id lists
+    ids: DPtr,
+    ids_capacity: usize,
+    blocks: usize,
+    chunk: usize,
+    config_mirror: Option<SelectConfig>,
+    bias_mirror: Vec<(u32, f32)>,
+    /// (prompt, generated) the penalty tables reflect
+    penalty_mirror: Option<(Vec<u32>, Vec<u32>)>,
+}
+
+impl Selector {
+    pub fn new(arena: &mut Arena, vocab: usize, max_ids: usize) -> Result<Selector> {
+        let blocks = vocab.div_ceil(1024).clamp(1, MAX_BLOCKS);
+        let chunk = vocab.div_ceil(blocks);
+        Ok(Selector {
+            vocab,
+            config: arena.alloc_zeroed(std::mem::size_of::<SelectConfig>())?,
+            partials: arena.alloc_zeroed(blocks * PARTIAL_BYTES)?,
+            counter: arena.alloc_zeroed(4)?,
+            result: arena.alloc_zeroed(std::mem::size_of::<SelectResult>())?,
+            bias: arena.alloc_zeroed(vocab * 4)?,
+            seen: arena.alloc_zeroed(vocab)?,
+            counts: arena.alloc_zeroed(vocab * 4)?,
+            ids: arena.alloc(max_ids * 4)?,
+            ids_capacity: max_ids,
+            blocks,
+            chunk,
+            config_mirror: None,
+            bias_mirror: Vec::new(),
+            penalty_mirror: None,
+        })
+    }
+
+    /// Shared memory: two arrays of max(chunk, merged candidates, threads + 1) floats.
+    fn smem(&self) -> usize {
+        let n = self
+            .chunk
+            .max(self.blocks * MAX_CANDIDATES)
+            .max(self.blocks * MAX_LOGPROBS)
+            .max(THREADS as usize + 1);
+        2 * n * 4
+    }
+
+    /// The selection launch: reads logits [V], writes the result; `advance` moves the cursor to the
+    /// chosen token at the next position.
+    pub fn launch(&self, gpu: &Gpu, logits: DPtr, cursor: DPtr, advance: bool) -> Result<Launch> {
+        let p = SelectParams {
+            logits: logits.0,
+            config: self.config.0,
+            partials: self.partials.0,
+            counter: self.counter.0,
+            result: self.result.0,
+            cursor: cursor.0,
+            bias: self.bias.0,
+            seen: self.seen.0,
+            counts: self.counts.0,
+            v: self.vocab as i32,
+            chunk: self.chunk as i32,
+            advance: advance as i32,
+            pad: 0,
+        };
+        Launch::new(
+            gpu,
+            "select_token",
+            (self.blocks as u32, 1, 1),
+            THREADS,
+            self.smem() as u32,
+            &p,
+        )
+    }
+
+    /// Make the device configuration and tables match `sel` (uploads only what changed).
+    pub fn prepare(&mut self, gpu: &Gpu, sel: &Selection) -> Result<()> {
+        let p = sel.params;
+        ensure!(
+            sel.top_logprobs <= MAX_LOGPROBS,
+            "top_logprobs {} > {MAX_LOGPROBS}: the cuda engine returns at most {MAX_LOGPROBS}",
+            sel.top_logprobs
+        );
+        if !p.is_greedy() && p.top_k > MAX_CANDIDATES {
+            bail!("top_k {} is not supported by the cuda sampler (1..={MAX_CANDIDATES}, or 0 for none)", p.top_k);
+        }
+        for (id, b) in &p.logit_bias {
+            ensure!(
+                (*id as usize) < self.vocab,
+                "logit_bias: token {id} outside the vocabulary of {}",
+                self.vocab
+            );
+            ensure!(b.is_finite(), "logit_bias for token {id} is not finite");
+        }
+        let use_seen = p.repetition_penalty != 1.0;
+        let use_counts = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        let config = SelectConfig {
+            temperature: p.temperature.max(0.0),
+            top_p: p.top_p,
+            min_p: p.min_p,
+            rep_penalty: p.repetition_penalty,
+            presence: p.presence_penalty,
+            frequency: p.frequency_penalty,
+            top_k: p.top_k as i32,
+            n_logprobs: sel.top_logprobs as i32,
+            seed_lo: p.seed as u32,
+            seed_hi: (p.seed >> 32) as u32,
+            step_lo: sel.step as u32,
+            step_hi: (sel.step >> 32) as u32,
+            use_bias: !p.logit_bias.is_empty() as i32,
+            use_seen: use_seen as i32,
+            use_counts: use_counts as i32,
+            pad: 0,
+        };
+        if self.config_mirror != Some(config) {
+            gpu.htod(self.config, std::slice::from_ref(&config))?;
+            self.config_mirror = Some(config);
+        }
+        if p.logit_bias != self.bias_mirror {
+            let mut dense = vec![0f32; self.vocab];
+            for (id, b) in &p.logit_bias {
+                dense[*id as usize] += b;
+            }
+            gpu.htod(self.bias, &dense)?;
+            self.bias_mirror = p.logit_bias.clone();
+        }
+        if use_seen || use_counts {
+            let current = self
+                .penalty_mirror
+                .as_ref()
+                .map(|(pr, gen)| pr.as_slice() == sel.prompt && gen.as_slice() == sel.generated)
+                .unwrap_or(false);
+            if !current {
+                self.rebuild_penalties(gpu, sel.prompt, sel.generated)?;
+            }
+        } else {
+            self.penalty_mirror = None;
+        }
+        Ok(())
+    }
+
+    fn rebuild_penalties(&mut self, gpu: &Gpu, prompt: &[u32], generated: &[u32]) -> Result<()> {
+        gpu.memset_zero(self.seen, self.vocab)?;
+        gpu.memset_zero(self.counts, self.vocab * 4)?;
+        let n = prompt.len() + generated.len();
+        ensure!(
+            n <= self.ids_capacity,
+            "{n} tokens of penalty history exceed the context"
+        );
+        if n > 0 {
+            let ids: Vec<i32> = prompt.iter().chain(generated).map(|t| *t as i32).collect();
+            gpu.htod(self.ids, &ids)?;
+            let p = PenaltyParams {
+                prompt_ids: self.ids.0,
+                output_ids: self.ids.offset(prompt.len() * 4).0,
+                seen: self.seen.0,
+                counts: self.counts.0,
+                n_prompt: prompt.len() as i32,
+                n_output: generated.len() as i32,
+                v: self.vocab as i32,
+                pad: 0,
+            };
+            gpu.launch("penalty_tables", (n.div_ceil(256) as u32, 1, 1), 256, 0, &p)?;
+        }
+        self.penalty_mirror = Some((prompt.to_vec(), generated.to_vec()));
+        Ok(())
+    }
+
+    /// After a selection launch ran: read the result; account for what the kernel advanced.
+    pub fn finish(&mut self, gpu: &Gpu) -> Result<TokenChoice> {
+        let mut r = [SelectResult::default()];
+        gpu.dtoh(self.result, &mut r)?;
+        let r = r[0];
+        ensure!(
+            r.token >= 0 && (r.token as usize) < self.vocab,
+            "token selection returned {}",
+            r.token
+        );
+        if let Some(c) = self.config_mirror.as_mut() {
+            let step = ((c.step_hi as u64) << 32 | c.step_lo as u64) + 1;
+            c.step_lo = step as u32;
+            c.step_hi = (step >> 32) as u32;
+            if c.use_seen != 0 || c.use_counts != 0 {
+                if let Some((_, gen)) = self.penalty_mirror.as_mut() {
+                    gen.push(r.token as u32);
+                }
+            }
+        }
+        let n = (r.n_top.max(0) as usize).min(MAX_LOGPROBS);
+        Ok(TokenChoice {
+            token: r.token as u32,
+            logprob: r.logprob,
+            top: (0..n)
+                .map(|i| (r.top_ids[i] as u32, r.top_logprobs[i]))
+                .collect(),
+        })
+    }
+}

@@ -1,0 +1,304 @@
+//! The whole engine: CUDA vs the CPU engine on every committed fixture and at the real shapes, and
+//! CUDA vs transformers at the real shapes (model made by scripts/gpu-real-shape.py).
+
+use std::path::{Path, PathBuf};
+
+use calla_cpu::CpuBackend;
+use calla_cuda::{CudaBackend, CudaOptions, KvDtype};
+use calla_engine::sampling::SamplingParams;
+use calla_engine::{Backend, Selection, TokenChoice};
+use calla_model::load::{load_model, LoadOptions, Quant};
+use calla_model::{LayerKind, ModelSpec, Weights};
+
+use crate::support::*;
+
+const STEPS: usize = 64;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn log_softmax(l: &[f32]) -> Vec<f32> {
+    let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m + l.iter().map(|v| (v - m).exp()).sum::<f32>().ln();
+    l.iter().map(|v| v - lse).collect()
+}
+
+/// Greedy decode: the prompt, then `steps` tokens fed back one at a time.
+fn greedy(be: &mut dyn Backend, prompt: &[u32], steps: usize) -> Vec<TokenChoice> {
+    let params = SamplingParams::greedy();
+    let mut seq = be.new_sequence().unwrap();
+    let mut out: Vec<TokenChoice> = Vec::new();
+    let mut generated: Vec<u32> = Vec::new();
+    for step in 0..steps {
+        let tokens: Vec<u32> = if step == 0 {
+            prompt.to_vec()
+        } else {
+            vec![*generated.last().unwrap()]
+        };
+        let sel = Selection {
+            params: &params,
+            prompt,
+            generated: &generated,
+            step: step as u64,
+            top_logprobs: 5,
+        };
+        let c = be.step(seq.as_mut(), &tokens, &sel).unwrap();
+        generated.push(c.token);
+        out.push(c);
+    }
+    out
+}
+
+/// Prefill logits and a greedy run on both engines; one row each. Returns pass.
+fn compare_engines(
+    name: &str,
+    spec: &ModelSpec,
+    w: &Weights,
+    prompt: &[u32],
+    steps: usize,
+    kv: KvDtype,
+    tol: f32,
+) -> bool {
+    let mut cpu = CpuBackend::new(spec.clone(), w.clone()).unwrap();
+    let opts = CudaOptions {
+        max_context: Some(prompt.len() + steps + 8),
+        kv_cache: kv,
+        ..Default::default()
+    };
+    let mut gpu = CudaBackend::new(spec, w, &opts).unwrap();
+
+    let mut sc = cpu.new_sequence().unwrap();
+    let mut sg = gpu.new_sequence().unwrap();
+    let lc = log_softmax(&cpu.forward_logits(sc.as_mut(), prompt).unwrap());
+    let lg = log_softmax(&gpu.forward_logits(sg.as_mut(), prompt).unwrap());
+    let mut pass = check(
+        &format!("{name}: prefill logprobs"),
+        &format!("{} tokens, V={}", prompt.len(), spec.vocab_size),
+        &lg,
+        &lc,
+        tol,
+        0.0,
+    );
+
+    let c = greedy(&mut cpu, prompt, steps);
+    let g = greedy(&mut gpu, prompt, steps);
+    let same = c
+        .iter()
+        .zip(&g)
+        .take_while(|(a, b)| a.token == b.token)
+        .count();
+    let worst = c
+        .iter()
+        .zip(&g)
+        .take(same)
+        .flat_map(|(a, b)| {
+            std::iter::once((a.logprob - b.logprob).abs()).chain(a.top.iter().zip(&b.top).map(
+                |(x, y)| {
+                    if x.0 == y.0 {
+                        (x.1 - y.1).abs()
+                    } else {
+                        f32::INFINITY
+                    }
+                },
+            ))
+        })
+        .fold(0f32, f32::max);
+    pass &= check_count(
+        &format!("{name}: greedy tokens"),
+        &format!("{steps} steps"),
+        same,
+        steps,
+        &format!("Δlp {worst:.1e}"),
+    );
+    pass &= worst <= tol;
+    if same < steps {
+        eprintln!(
+            "{name}: first difference at step {same}: cpu {:?} cuda {:?}",
+            c.get(same).map(|x| (&x.token, &x.top)),
+            g.get(same).map(|x| (&x.token, &x.top))
+        );
+    }
+    pass
+}
+
+#[derive(serde::Deserialize)]
+struct Golden {
+    prompt_ids: Vec<u32>,
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn engine_matches_cpu_on_every_fixture() {
+    let _ = gpu();
+    let mut all = true;
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures().join("models"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 5, "expected the five fixtures");
+    for dir in dirs {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let golden: Golden = serde_json::from_str(
+            &std::fs::read_to_string(fixtures().join("goldens").join(format!("{name}.json")))
+                .unwrap(),
+        )
+        .unwrap();
+        for (quant, tag) in [
+            (None, "stored"),
+            (Some(Quant::Bf16), "bf16"),
+            (Some(Quant::Q4), "q4"),
+        ] {
+            let loaded = load_model(&dir, &LoadOptions { quant }).unwrap();
+            all &= compare_engines(
+                &format!("{name} {tag}"),
+                &loaded.spec,
+                &loaded.weights,
+                &golden.prompt_ids,
+                STEPS,
+                KvDtype::F32,
+                2e-2,
+            );
+        }
+    }
+    // The bf16 KV cache (the long-context option) on one fixture, for the record.
+    let dir = fixtures().join("models/qwen35moe-causal-perexpert");
+    let loaded = load_model(&dir, &LoadOptions { quant: None }).unwrap();
+    let golden: Golden = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("goldens/qwen35moe-causal-perexpert.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    all &= compare_engines(
+        "qwen35moe-causal-perexpert bf16 KV",
+        &loaded.spec,
+        &loaded.weights,
+        &golden.prompt_ids,
+        STEPS,
+        KvDtype::Bf16,
+        2e-2,
+    );
+    assert!(all, "engine parity failures (see the table)");
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn engine_matches_cpu_at_real_shapes() {
+    let _ = gpu();
+    // 4 layers of the real dims (3 DeltaNet + 1 attention, 256 experts), full vocabulary, q4.
+    let spec = real_spec(
+        &[
+            LayerKind::DeltaNet,
+            LayerKind::DeltaNet,
+            LayerKind::DeltaNet,
+            LayerKind::Attention,
+        ],
+        248_320,
+    );
+    let w = random_weights(&spec, Some(Quant::Q4), 91);
+    let mut rng = Rng::new(92);
+    let prompt: Vec<u32> = (0..40).map(|_| rng.below(spec.vocab_size) as u32).collect();
+    assert!(compare_engines(
+        "real dims ×4 layers q4 vs CPU",
+        &spec,
+        &w,
+        &prompt,
+        24,
+        KvDtype::F32,
+        2e-2
+    ));
+}
+
+#[derive(serde::Deserialize)]
+struct Reference {
+    prompt_ids: Vec<u32>,
+    greedy_ids: Vec<u32>,
+    /// per generated step: [[id, logprob] × K], best first
+    top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// log-softmax of the prompt's last logits: [[id, logprob] × K]
+    prefill_top: Vec<(u32, f32)>,
+}
+
+/// (c): a random-weight model with the real Qwen3.6-35B-A3B dimensions and 4 layers, made with
+/// transformers (scripts/gpu-real-shape.py writes it and transformers' outputs to
+/// $CALLA_REAL_SHAPE_DIR): same greedy tokens, log-probabilities within 2e-2.
+#[test]
+#[ignore = "needs CUDA"]
+fn engine_matches_transformers_at_real_shapes() {
+    let Some(dir) = std::env::var_os("CALLA_REAL_SHAPE_DIR") else {
+        panic!("set CALLA_REAL_SHAPE_DIR to the model written by scripts/gpu-real-shape.py");
+    };
+    let dir = PathBuf::from(dir);
+    let reference: Reference =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let loaded = load_model(&dir, &LoadOptions { quant: None }).unwrap();
+    let steps = reference.greedy_ids.len();
+    let opts = CudaOptions {
+        max_context: Some(reference.prompt_ids.len() + steps + 8),
+        progress: true,
+        ..Default::default()
+    };
+    let mut be = CudaBackend::new(&loaded.spec, &loaded.weights, &opts).unwrap();
+    eprintln!(
+        "{:.2} GB uploaded in {:.2} s",
+        be.report.weight_bytes as f64 / 1e9,
+        be.report.upload_seconds
+    );
+
+    let mut seq = be.new_sequence().unwrap();
+    let lp = log_softmax(
+        &be.forward_logits(seq.as_mut(), &reference.prompt_ids)
+            .unwrap(),
+    );
+    let got: Vec<f32> = reference
+        .prefill_top
+        .iter()
+        .map(|(id, _)| lp[*id as usize])
+        .collect();
+    let want: Vec<f32> = reference.prefill_top.iter().map(|(_, l)| *l).collect();
+    let mut pass = check(
+        "transformers real shape: prefill top logprobs",
+        &format!("{} tokens", reference.prompt_ids.len()),
+        &got,
+        &want,
+        2e-2,
+        0.0,
+    );
+
+    let g = greedy(&mut be, &reference.prompt_ids, steps);
+    let same = g
+        .iter()
+        .zip(&reference.greedy_ids)
+        .take_while(|(a, b)| a.token == **b)
+        .count();
+    let mut worst = 0f32;
+    for (c, r) in g.iter().zip(&reference.top_logprobs).take(same) {
+        let want = r
+            .iter()
+            .find(|(id, _)| *id == c.token)
+            .map(|x| x.1)
+            .unwrap_or(f32::NAN);
+        worst = worst.max((c.logprob - want).abs());
+    }
+    pass &= check_count(
+        "transformers real shape: greedy tokens",
+        &format!("{steps} steps"),
+        same,
+        steps,
+        &format!("Δlp {worst:.1e}"),
+    );
+    pass &= worst <= 2e-2;
+    if same < steps {
+        eprintln!(
+            "first difference at step {same}: cuda {:?}, transformers {:?}",
+            g.get(same).map(|x| (&x.token, &x.top)),
+            reference
+                .top_logprobs
+                .get(same)
+                .map(|t| &t[..5.min(t.len())])
+        );
+    }
+    assert!(pass);
+}

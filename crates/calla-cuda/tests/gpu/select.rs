@@ -1,0 +1,175 @@
+//! Token selection on the device against calla_engine::sampling::select_token.
+
+use calla_cuda::pool::Arena;
+use calla_cuda::select::Selector;
+use calla_engine::sampling::{select_token, SamplingParams};
+use calla_engine::Selection;
+
+use crate::support::*;
+
+fn logits(rng: &mut Rng, v: usize, spread: f32) -> Vec<f32> {
+    rng.normal_vec(v, spread)
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn selection_matches_the_reference_sampler() {
+    let gpu = gpu();
+    let mut rng = Rng::new(81);
+    let mut all = true;
+    for v in [1000usize, 248_320] {
+        let mut arena = Arena::new(&gpu, 64 << 20);
+        let mut sel_dev = Selector::new(&mut arena, v, 4096).unwrap();
+        let logits_d = arena.alloc_zeroed(v * 4).unwrap();
+        let cursor = arena.alloc_zeroed(16).unwrap();
+        let launch = sel_dev.launch(&gpu, logits_d, cursor, false).unwrap();
+        let base = SamplingParams::default();
+        let cases: Vec<(&str, SamplingParams, usize, f32)> = vec![
+            ("greedy", base.clone(), 0, 3.0),
+            ("greedy + 20 logprobs", base.clone(), 20, 3.0),
+            (
+                "T0.8 top-k 20 top-p 0.95",
+                SamplingParams {
+                    temperature: 0.8,
+                    top_k: 20,
+                    top_p: 0.95,
+                    ..base.clone()
+                },
+                5,
+                3.0,
+            ),
+            (
+                "T1 full vocabulary",
+                SamplingParams {
+                    temperature: 1.0,
+                    ..base.clone()
+                },
+                0,
+                3.0,
+            ),
+            (
+                "T1 top-p 0.9 (large nucleus)",
+                SamplingParams {
+                    temperature: 1.0,
+                    top_p: 0.9,
+                    ..base.clone()
+                },
+                0,
+                1.0,
+            ),
+            (
+                "T0.7 top-p 0.5 (small nucleus)",
+                SamplingParams {
+                    temperature: 0.7,
+                    top_p: 0.5,
+                    ..base.clone()
+                },
+                0,
+                4.0,
+            ),
+            (
+                "T1 min-p 0.05",
+                SamplingParams {
+                    temperature: 1.0,
+                    min_p: 0.05,
+                    ..base.clone()
+                },
+                0,
+                3.0,
+            ),
+            (
+                "T1 top-k 64 min-p 0.1",
+                SamplingParams {
+                    temperature: 1.0,
+                    top_k: 64,
+                    min_p: 0.1,
+                    ..base.clone()
+                },
+                3,
+                2.0,
+            ),
+            (
+                "penalties + bias, greedy",
+                SamplingParams {
+                    repetition_penalty: 1.3,
+                    presence_penalty: 0.5,
+                    frequency_penalty: 0.2,
+                    logit_bias: vec![(3, 5.0), (17, -100.0)],
+                    ..base.clone()
+                },
+                4,
+                2.0,
+            ),
+            (
+                "penalties, T0.9 top-k 40",
+                SamplingParams {
+                    temperature: 0.9,
+                    top_k: 40,
+                    repetition_penalty: 1.2,
+                    presence_penalty: 1.5,
+                    ..base.clone()
+                },
+                0,
+                2.0,
+            ),
+        ];
+        for (name, mut params, n_logprobs, spread) in cases {
+            let (mut equal, mut total, mut worst_lp) = (0usize, 0usize, 0f32);
+            let mut tops_equal = true;
+            for round in 0..12u64 {
+                params.seed = 1000 + round * 7919;
+                let mut l = logits(&mut rng, v, spread);
+                if round % 4 == 1 {
+                    // exact ties: the lowest id must win everywhere
+                    let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    l[v / 3] = m;
+                    l[v / 2] = m;
+                }
+                let prompt: Vec<u32> = (0..50).map(|_| rng.below(v) as u32).collect();
+                let generated: Vec<u32> = (0..(round as usize % 5))
+                    .map(|_| rng.below(v) as u32)
+                    .collect();
+                let sel = Selection {
+                    params: &params,
+                    prompt: &prompt,
+                    generated: &generated,
+                    step: round * 3,
+                    top_logprobs: n_logprobs,
+                };
+                gpu.htod(logits_d, &l).unwrap();
+                sel_dev.prepare(&gpu, &sel).unwrap();
+                launch.run(&gpu).unwrap();
+                let got = sel_dev.finish(&gpu).unwrap();
+                let want = select_token(&l, &sel);
+                total += 1;
+                equal += (got.token == want.token) as usize;
+                worst_lp = worst_lp.max((got.logprob - want.logprob).abs());
+                tops_equal &= got.top.len() == want.top.len()
+                    && got
+                        .top
+                        .iter()
+                        .zip(&want.top)
+                        .all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() < 1e-4);
+                if got.token != want.token {
+                    eprintln!(
+                        "{name} V={v} round {round}: device {} vs reference {}",
+                        got.token, want.token
+                    );
+                }
+            }
+            let detail = format!(
+                "Δlp {worst_lp:.1e}{}",
+                if tops_equal { "" } else { " TOP≠" }
+            );
+            all &= check_count(
+                &format!("select: {name}"),
+                &format!("V={v}"),
+                equal,
+                total,
+                &detail,
+            );
+            all &= tops_equal && worst_lp < 1e-4;
+        }
+    }
+    assert!(all);
+}

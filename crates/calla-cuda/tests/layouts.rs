@@ -1,0 +1,42 @@
+//! The #[repr(C)] parameter structs have the sizes the kernels' `static_assert`s state (the .cu
+//! files check the same numbers at NVRTC compile time), so both sides agree on every layout.
+
+use std::mem::size_of;
+
+#[test]
+fn parameter_structs_match_the_kernels() {
+    use calla_cuda::*;
+    let sizes = [
+        ("MatrixRef", size_of::<weights::MatrixRef>(), 32),
+        ("MatvecParams", size_of::<matvec::MatvecParams>(), 232),
+        ("EmbedParams", size_of::<matvec::EmbedParams>(), 64),
+        ("DeltaNetParams", size_of::<deltanet::DeltaNetParams>(), 128),
+        (
+            "AttnPrepParams",
+            size_of::<attention::AttnPrepParams>(),
+            112,
+        ),
+        (
+            "AttnDecodeParams",
+            size_of::<attention::AttnDecodeParams>(),
+            80,
+        ),
+        (
+            "AttnCombineParams",
+            size_of::<attention::AttnCombineParams>(),
+            56,
+        ),
+        ("RouterParams", size_of::<moe::RouterParams>(), 128),
+        ("GateUpParams", size_of::<moe::GateUpParams>(), 128),
+        ("DownParams", size_of::<moe::DownParams>(), 136),
+        ("SelectConfig", size_of::<select::SelectConfig>(), 64),
+        ("SelectResult", size_of::<select::SelectResult>(), 176),
+        ("SelectParams", size_of::<select::SelectParams>(), 88),
+        ("PenaltyParams", size_of::<select::PenaltyParams>(), 48),
+        ("FillParams", size_of::<synthetic::FillParams>(), 40),
+        ("Cursor", size_of::<backend::Cursor>(), 16),
+    ];
+    for (name, got, want) in sizes {
+        assert_eq!(got, want, "{name}");
+    }
+}
