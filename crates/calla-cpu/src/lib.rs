@@ -6,6 +6,9 @@
 //! `calla_engine::Backend` implementation. Work is spread over threads with rayon; every reduction has
 //! a fixed order, so results do not depend on the thread count or scheduling.
 
+// `x % n == 0` stays: `is_multiple_of` is newer than the workspace's rust-version (1.85).
+#![allow(clippy::manual_is_multiple_of)]
+
 pub mod attention;
 pub mod backend;
 pub mod deltanet;

@@ -140,6 +140,8 @@ impl Moe {
     }
 }
 
+// One per layer: the size difference of the variants does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum FeedForward {
     Moe(Moe),
     Dense(Mlp),
