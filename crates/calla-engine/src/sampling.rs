@@ -131,11 +131,11 @@ fn best_ids(values: &[f32], n: usize) -> Vec<u32> {
             .total_cmp(&sanitise(values[*a as usize]))
             .then(a.cmp(b))
     };
-    let mut ids: Vec<u32> = (0..values.len() as u32).collect();
-    let n = n.min(ids.len());
+    let n = n.min(values.len());
     if n == 0 {
         return Vec::new();
     }
+    let mut ids: Vec<u32> = (0..values.len() as u32).collect();
     if n < ids.len() {
         ids.select_nth_unstable_by(n - 1, by_rank);
         ids.truncate(n);
