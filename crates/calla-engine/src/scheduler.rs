@@ -8,9 +8,10 @@
 //! ends, whatever the reason.
 //!
 //! Prefill and the prefix cache: a prompt of P tokens runs as [cached..P-1] then [P-1]; the state after
-//! P-1 tokens is saved in the [`PrefixCache`], so a later prompt that extends it (next chat turn) or
-//! repeats it (retry, n-th choice) restores it and runs only what is new. Requests split the same way
-//! with and without the cache, so their outputs do not depend on it.
+//! P-1 tokens is saved in the [`PrefixCache`], so a later prompt that repeats it (retry, n-th choice)
+//! restores it and runs only what is new. Jobs may name more prefixes to save (a chat's history
+//! before its generation prompt, which the next turn extends); the prefill then runs in chunks ending
+//! there. Chunks depend only on the prompt and the restored length, not on whether the cache is on.
 //!
 //! Stop tokens follow [`crate::generate`]: the token that ends generation (a stop id, or EOS unless
 //! `ignore_eos`) is not emitted but counts towards `max_tokens`.
@@ -46,6 +47,10 @@ pub struct Job {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub top_logprobs: usize,
+    /// Prompt lengths at which to save the state in the prefix cache, besides the prompt minus its
+    /// last token (which is always saved). A chat server passes the end of the conversation before
+    /// the generation prompt: the next turn renders that same text, then diverges.
+    pub save_prefixes: Vec<usize>,
     pub sink: Box<dyn JobSink>,
 }
 
@@ -329,10 +334,21 @@ fn run_job(
         cached_tokens,
     });
 
+    // Everything but the last prompt token, in chunks that end where states are saved; the tokens
+    // chosen here are not used. The chunks depend only on the prompt and the cached length.
     let last = prompt.len() - 1;
-    if cached_tokens < last {
-        // Everything but the last prompt token; the token chosen here is not used.
-        let greedy = SamplingParams::greedy();
+    let mut save_at: Vec<usize> = job
+        .save_prefixes
+        .iter()
+        .copied()
+        .chain([last])
+        .filter(|&at| at > cached_tokens && at <= last)
+        .collect();
+    save_at.sort_unstable();
+    save_at.dedup();
+    let greedy = SamplingParams::greedy();
+    let mut done = cached_tokens;
+    for at in save_at {
         let sel = Selection {
             params: &greedy,
             prompt: &prompt,
@@ -340,9 +356,10 @@ fn run_job(
             step: 0,
             top_logprobs: 0,
         };
-        backend.step(seq.as_mut(), &prompt[cached_tokens..last], &sel)?;
+        backend.step(seq.as_mut(), &prompt[done..at], &sel)?;
+        done = at;
         if cache.budget_bytes() > 0 {
-            cache.insert(prompt[..last].to_vec(), seq.snapshot());
+            cache.insert(prompt[..at].to_vec(), seq.snapshot());
         }
     }
 

@@ -1,1 +1,43 @@
-//! The OpenAI-compatible server.
+//! calla-server: the OpenAI-compatible HTTP API.
+//!
+//! HTTP JSON → request fields (params.rs, validated, OpenAI-shaped errors) → chat template (chat.rs)
+//! or raw prompts (completions.rs) → token ids → the engine's queue (generation.rs: one job per
+//! choice, a sink that detokenizes and applies stop strings on the engine thread) → reasoning /
+//! tool-call parsing → one JSON body or SSE chunks (sse.rs). The engine is whatever `Backend` the
+//! caller built (CPU, CUDA); the server only sees the scheduler.
+//!
+//! Start with [`AppState::new`], bind, [`serve`] (answering 503 until [`AppState::set_ready`]).
+
+pub mod auth;
+pub mod chat;
+pub mod codec;
+pub mod completions;
+pub mod errors;
+pub mod generation;
+pub mod load;
+pub mod metrics;
+pub mod params;
+pub mod request;
+pub mod routes;
+pub mod sse;
+pub mod state;
+
+use std::future::Future;
+use std::sync::Arc;
+
+pub use codec::{IncrementalText, TextCodec};
+pub use errors::ApiError;
+pub use load::{start_runtime, RuntimeOptions};
+pub use routes::router;
+pub use state::{AppState, Runtime, ServerConfig};
+
+/// Serve on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

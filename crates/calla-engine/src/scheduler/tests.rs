@@ -180,6 +180,7 @@ fn job(
         stop_token_ids: vec![],
         ignore_eos: false,
         top_logprobs: 0,
+        save_prefixes: vec![],
         sink: Box::new(ChannelSink {
             id,
             tx: tx.clone(),
@@ -272,6 +273,27 @@ fn prefix_cache_restores_and_runs_only_new_tokens_with_identical_output() {
     assert_eq!(out3, out2);
     let stats = scheduler.prefix_cache_stats();
     assert_eq!((stats.queries, stats.hits), (3, 2));
+}
+
+#[test]
+fn extra_save_points_serve_prompts_that_diverge_after_them() {
+    let (b, forwarded) = backend();
+    let scheduler = Scheduler::start(Box::new(b), config(1 << 20));
+    let (tx, rx) = mpsc::channel();
+    // history [1..=6], then a generation prompt [7, 8] the next turn will not repeat
+    let (mut j, _) = job(0, (1..=8).collect(), 2, &tx);
+    j.save_prefixes = vec![6, 99, 0];
+    scheduler.submit(vec![j]).unwrap();
+    collect(&rx, 0);
+    let next_turn: Vec<u32> = (1..=6).chain([20, 21, 22, 7, 8]).collect();
+    forwarded.store(0, Ordering::SeqCst);
+    scheduler
+        .submit(vec![job(1, next_turn.clone(), 3, &tx).0])
+        .unwrap();
+    let (out, start, _) = collect(&rx, 1);
+    assert_eq!(start.cached_tokens, 6);
+    assert_eq!(forwarded.load(Ordering::SeqCst), next_turn.len() - 6 + 2);
+    assert_eq!(out, run_alone(next_turn, 3));
 }
 
 #[test]
