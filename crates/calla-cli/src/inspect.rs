@@ -49,6 +49,7 @@ fn kind_name(kind: LayerKind) -> &'static str {
 }
 
 /// The layer list as its shortest repeating unit, e.g. "[DN DN DN Attn] ×10".
+#[allow(clippy::manual_is_multiple_of)] // is_multiple_of is newer than rust-version 1.85
 pub fn layer_pattern(layers: &[LayerKind]) -> String {
     let n = layers.len();
     let period = (1..=n)

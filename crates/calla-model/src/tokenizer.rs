@@ -103,7 +103,7 @@ impl Tokenizer {
 
     pub fn try_encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         self.inner
-            .encode(text, false)
+            .encode_fast(text, false)
             .map(|enc| enc.get_ids().to_vec())
             .map_err(|e| TokenizerError::Encode(e.to_string()))
     }

@@ -77,6 +77,8 @@ pub struct AttentionWeights {
     pub k_norm: Vec<f32>,
 }
 
+// One per layer, built once at load: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum FeedForwardWeights {
     Moe(MoeWeights),
