@@ -56,12 +56,14 @@ fn tool_choice(fields: &ChatFields) -> Result<(ToolChoice, Vec<Json>), ApiError>
             .and_then(Json::as_str);
         match (tool.get("type").and_then(Json::as_str), name) {
             (Some("function"), Some(name)) => names.push(name.to_string()),
-            _ => return Err(ApiError::bad_param(
-                format!("tools[{i}]"),
-                format!(
+            _ => {
+                return Err(ApiError::bad_param(
+                    format!("tools[{i}]"),
+                    format!(
                     "tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": …}}}}"
                 ),
-            )),
+                ))
+            }
         }
     }
     let default = if tools.is_empty() {
