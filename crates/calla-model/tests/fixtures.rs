@@ -154,6 +154,20 @@ fn cond_fused_expert_views_match_the_fused_tensor() {
         FeedForwardWeights::Moe(moe) => moe,
         _ => panic!("MoE expected"),
     };
+    // Zero copy: the per-expert matrices are views into one buffer (the mapped fused tensor), expert
+    // e's gate at e·2I·D elements, its up I·D elements further.
+    let ptr = |m: &Matrix| match &m.data {
+        MatrixData::Dense { data, .. } => data.bytes().as_ptr() as usize,
+        _ => panic!("bf16 expected"),
+    };
+    let base = ptr(&moe.experts[0].gate_proj);
+    for e in 0..8 {
+        assert_eq!(ptr(&moe.experts[e].gate_proj) - base, e * 128 * 128 * 2);
+        assert_eq!(
+            ptr(&moe.experts[e].up_proj) - base,
+            (e * 128 + 64) * 128 * 2
+        );
+    }
     for e in [0usize, 3, 7] {
         let gate = moe.experts[e].gate_proj.to_f32();
         let up = moe.experts[e].up_proj.to_f32();
