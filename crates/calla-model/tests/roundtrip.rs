@@ -191,21 +191,20 @@ fn qwen35_dense_mlp() {
     let spec = tiny(Family::Qwen35Dense);
     let weights = random_weights(&spec, Quant::F32, 5);
     let dir = tempfile::tempdir().unwrap();
-    export_checkpoint(
-        dir.path(),
-        &spec,
-        &weights,
-        &ExportOptions::hf_causal(),
-        None,
-    )
-    .unwrap();
+    // f16 vectors exercise the f16 read path.
+    let opts = ExportOptions {
+        vector_dtype: DType::F16,
+        ..ExportOptions::hf_causal()
+    };
+    export_checkpoint(dir.path(), &spec, &weights, &opts, None).unwrap();
     let loaded = load_model(dir.path(), &LoadOptions::default()).unwrap();
     assert_eq!(
         loaded.spec.feed_forward,
         FeedForwardSpec::Dense { intermediate: 256 }
     );
     assert_eq!(loaded.report.expert_layout, None);
-    assert_same_weights(&weights, &loaded.weights, 0.0, 0.0);
+    assert!(loaded.report.stored_dtypes.contains_key("f16"));
+    assert_same_weights(&weights, &loaded.weights, 1e-7, 2f32.powi(-11));
 }
 
 #[test]
