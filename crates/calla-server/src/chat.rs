@@ -26,7 +26,7 @@ use crate::generation::{submit, Events, GenEvent, RequestLog, TokenLogprob, Work
 use crate::params::{from_body, GenParams, SamplingFields};
 use crate::request::{check_model, parse_body, Usage};
 use crate::sse::{self, Flow, Reply};
-use crate::state::{unix_now, AppState};
+use crate::state::{unix_now, AppState, Runtime};
 
 #[derive(Debug, Deserialize)]
 struct ChatFields {
@@ -38,8 +38,9 @@ struct ChatFields {
     chat_template_kwargs: Option<Map<String, Json>>,
 }
 
+/// What `tool_choice` asks for.
 #[derive(Debug, Clone, PartialEq)]
-enum ToolChoice {
+pub enum ToolChoice {
     None,
     Auto,
     Required,
@@ -111,16 +112,9 @@ fn tool_choice(fields: &ChatFields) -> Result<(ToolChoice, Vec<Json>), ApiError>
 /// A validated chat request, ready for the engine.
 struct Prepared {
     params: GenParams,
-    prompt_text: String,
-    prompt_ids: Vec<u32>,
-    /// Text the reply starts with that the model does not generate (forced tool-call tags).
-    forced: String,
-    output: OutputConfig,
+    prompt: ChatPrompt,
     top_logprobs: Option<usize>,
     max_tokens: usize,
-    /// Length of the conversation before the generation prompt, when the prompt's tokens start with
-    /// it: the next turn renders the same text, so its state is worth keeping.
-    history_tokens: Option<usize>,
 }
 
 fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
@@ -152,42 +146,76 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
             ))
         }
     };
-    let messages =
-        prepare_messages(&fields.messages).map_err(|e| ApiError::bad_param(e.param, e.message))?;
     let (choice, tools) = tool_choice(&fields)?;
+    let prompt = chat_prompt(
+        &runtime,
+        &fields.messages,
+        &tools,
+        &choice,
+        fields.chat_template_kwargs.as_ref(),
+    )?;
+    let room = runtime.max_context - prompt.ids.len();
+    let max_tokens = params.max_tokens.unwrap_or(room).min(room);
+    Ok(Prepared {
+        params,
+        prompt,
+        top_logprobs,
+        max_tokens,
+    })
+}
+
+/// A conversation rendered and encoded for the engine.
+pub struct ChatPrompt {
+    pub text: String,
+    pub ids: Vec<u32>,
+    /// Text the reply starts with that the model does not generate (forced tool-call tags).
+    pub forced: String,
+    /// Tokens of the conversation before the generation prompt, when `ids` start with them: the
+    /// next turn renders the same text, so the state there is worth saving.
+    pub history_tokens: Option<usize>,
+    /// How to parse the reply.
+    pub output: OutputConfig,
+}
+
+/// OpenAI messages (+ tools, tool choice, template kwargs) → the prompt, through the checkpoint's
+/// template. Errors are 400s naming the field.
+pub fn chat_prompt(
+    runtime: &Runtime,
+    messages: &[Json],
+    tools: &[Json],
+    choice: &ToolChoice,
+    kwargs: Option<&Map<String, Json>>,
+) -> Result<ChatPrompt, ApiError> {
+    let messages =
+        prepare_messages(messages).map_err(|e| ApiError::bad_param(e.param, e.message))?;
     let template = runtime.template.as_ref().ok_or_else(|| {
         ApiError::bad_request("This checkpoint has no chat template; use /v1/completions.")
     })?;
-    let rendered_tools =
-        (choice != ToolChoice::None && !tools.is_empty()).then_some(tools.as_slice());
+    let with_tools = *choice != ToolChoice::None && !tools.is_empty();
     let render = |add_generation_prompt| {
         template.render(&RenderInput {
             messages: &messages,
-            tools: rendered_tools,
+            tools: with_tools.then_some(tools),
             add_generation_prompt,
-            kwargs: fields.chat_template_kwargs.as_ref(),
+            kwargs,
         })
     };
-    let mut prompt_text =
-        render(true).map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
-    let forced = match &choice {
+    let mut text = render(true).map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+    let forced = match choice {
         ToolChoice::Required => "<tool_call>\n<function=".to_string(),
         ToolChoice::Function(name) => format!("<tool_call>\n<function={name}>\n"),
         _ => String::new(),
     };
-    if !forced.is_empty() && prompt_opens_thinking(&prompt_text) {
+    if !forced.is_empty() && prompt_opens_thinking(&text) {
         // The call comes first: close the think block the generation prompt opened, as the template
         // renders an empty one.
-        prompt_text.push_str("\n</think>\n\n");
+        text.push_str("\n</think>\n\n");
     }
-    prompt_text.push_str(&forced);
-    let prompt_ids = runtime
-        .codec
-        .encode(&prompt_text)
-        .map_err(ApiError::internal)?;
-    if prompt_ids.len() >= runtime.max_context {
+    text.push_str(&forced);
+    let ids = runtime.codec.encode(&text).map_err(ApiError::internal)?;
+    if ids.len() >= runtime.max_context {
         return Err(ApiError::context_length(
-            prompt_ids.len(),
+            ids.len(),
             runtime.max_context,
             "messages",
         ));
@@ -196,25 +224,20 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
     // templates drop earlier turns' thinking, so the next turn shares this prefix, not the whole prompt.
     let history_tokens = render(false)
         .ok()
-        .filter(|history| prompt_text.starts_with(history.as_str()) && !history.is_empty())
+        .filter(|history| text.starts_with(history.as_str()) && !history.is_empty())
         .and_then(|history| runtime.codec.encode(&history).ok())
-        .filter(|ids| prompt_ids.starts_with(ids))
-        .map(|ids| ids.len());
-    let room = runtime.max_context - prompt_ids.len();
-    let max_tokens = params.max_tokens.unwrap_or(room).min(room);
+        .filter(|history| ids.starts_with(history))
+        .map(|history| history.len());
     let output = OutputConfig {
-        starts_in_reasoning: prompt_opens_thinking(&prompt_text),
-        tools: (choice != ToolChoice::None && !tools.is_empty()).then_some(tools),
+        starts_in_reasoning: prompt_opens_thinking(&text),
+        tools: with_tools.then(|| tools.to_vec()),
     };
-    Ok(Prepared {
-        params,
-        prompt_text,
-        prompt_ids,
+    Ok(ChatPrompt {
+        text,
+        ids,
         forced,
-        output,
-        top_logprobs,
-        max_tokens,
         history_tokens,
+        output,
     })
 }
 
@@ -238,8 +261,8 @@ pub async fn chat_completions(
     let work = (0..n)
         .map(|choice| Work {
             choice,
-            prompt: prepared.prompt_ids.clone(),
-            save_prefixes: prepared.history_tokens.into_iter().collect(),
+            prompt: prepared.prompt.ids.clone(),
+            save_prefixes: prepared.prompt.history_tokens.into_iter().collect(),
         })
         .collect();
     let events = match submit(
@@ -258,9 +281,9 @@ pub async fn chat_completions(
         }
     };
     let mut log = RequestLog::new(id.clone(), "chat", arrival, prepared.params.stream);
-    log.prompt_tokens = prepared.prompt_ids.len();
+    log.prompt_tokens = prepared.prompt.ids.len();
     if state.config.log_text {
-        log.keep_text(prepared.prompt_text.clone(), n);
+        log.keep_text(prepared.prompt.text.clone(), n);
     }
     let mut reply = ChatReply::new(&state, id, &prepared, log);
     if prepared.params.stream {
@@ -319,7 +342,7 @@ impl ChatReply {
         let mut choices = Vec::new();
         for _ in 0..prepared.params.n {
             let mut choice = ChatChoice {
-                parser: OutputParser::new(&prepared.output),
+                parser: OutputParser::new(&prepared.prompt.output),
                 parsed: ParsedOutput::default(),
                 tool_ids: Vec::new(),
                 logprobs: Vec::new(),
@@ -327,7 +350,7 @@ impl ChatReply {
                 opening: Vec::new(),
             };
             // The forced opening is part of the reply although the model did not generate it.
-            let opening = choice.parser.push(&prepared.forced);
+            let opening = choice.parser.push(&prepared.prompt.forced);
             for event in &opening {
                 choice.absorb(state, event);
             }
@@ -343,7 +366,7 @@ impl ChatReply {
             include_usage: prepared.params.include_usage,
             with_logprobs: prepared.top_logprobs.is_some(),
             choices,
-            usage: Usage::new(prepared.prompt_ids.len()),
+            usage: Usage::new(prepared.prompt.ids.len()),
             log,
         }
     }
