@@ -144,9 +144,11 @@ fn main() -> Result<()> {
             decode.push(d);
         }
     }
+    let best = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
+    let (p_best, d_best) = (best(&prefill), best(&decode));
     let (p, d) = (median(prefill), median(decode));
     println!(
-        "{} {}: prefill {} tokens {p:.1} tok/s | decode {d:.2} tok/s, {:.2} GB/s of weights (median of {} rounds)",
+        "{} {}: prefill {} tokens {p:.1} tok/s | decode {d:.2} tok/s, {:.2} GB/s of weights (median of {} rounds; best {p_best:.1} / {d_best:.2})",
         o.preset,
         o.quant,
         o.prompt,
