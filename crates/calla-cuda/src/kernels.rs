@@ -28,6 +28,29 @@ pub const MOE: KernelSource = kernel_source!("moe");
 pub const SELECT: KernelSource = kernel_source!("select");
 pub const FILL: KernelSource = kernel_source!("fill");
 
+// The prompt (prefill) modules: kernels/mma.cuh (tensor-core helpers) is prepended to each.
+macro_rules! prefill_kernel_source {
+    ($name:literal) => {
+        KernelSource {
+            name: $name,
+            file: concat!($name, ".cu"),
+            source: concat!(
+                "#line 1 \"mma.cuh\"\n",
+                include_str!("../kernels/mma.cuh"),
+                "\n#line 1 \"",
+                $name,
+                ".cu\"\n",
+                include_str!(concat!("../kernels/", $name, ".cu"))
+            ),
+        }
+    };
+}
+
+pub const GEMM: KernelSource = prefill_kernel_source!("gemm");
+pub const DELTANET_PREFILL: KernelSource = prefill_kernel_source!("deltanet_prefill");
+pub const ATTENTION_PREFILL: KernelSource = prefill_kernel_source!("attention_prefill");
+pub const MOE_PREFILL: KernelSource = prefill_kernel_source!("moe_prefill");
+
 /// Every module, in load order.
 pub const ALL: &[&KernelSource] = &[
     &MATVEC,
@@ -36,4 +59,8 @@ pub const ALL: &[&KernelSource] = &[
     &MOE,
     &SELECT,
     &FILL,
+    &GEMM,
+    &DELTANET_PREFILL,
+    &ATTENTION_PREFILL,
+    &MOE_PREFILL,
 ];

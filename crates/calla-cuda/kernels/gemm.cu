@@ -1,0 +1,342 @@
+// gemm.cu: Y = X·Wᵀ for prompts (T tokens at once) on the tensor cores, with W in any engine
+// format dequantised tile by tile into shared memory; plus the row kernels that feed it (RMSNorm →
+// bf16 planes, embedding rows).
+//
+// Math (CPU reference: calla_cpu::linear::Linear::matmul):  Y[m, n] = Σ_k X[m, k] · W[n, k]
+//   X arrives as bf16 "planes": hi = bf16(x), lo = bf16(x − hi) (lo only in split precision).
+//   W [N, K] in FMT (common.cuh), dequantised w = scale·q + bias in f32, then split the same way.
+//   precision "fast":  Y ≈ Σ hi(x)·hi(w)                         (bf16 products, f32 accumulate)
+//   precision "split": Y ≈ Σ hi·hi + lo(x)·hi(w) + hi(x)·lo(w)   (~f32 accuracy; 3 mma per step;
+//                       bf16 weights are exact in hi, so their lo term is skipped)
+// Epilogues (one per launch): store f32 · accumulate f32 (residual add) · bf16 planes (the next
+// GEMM's input); optional per-row scale (sigmoid shared-expert gate); optional SwiGLU, where the
+// tile's W rows alternate gate row j / up row N/2 + j so each thread holds (gate_j, up_j) in
+// (c0, c1) and writes silu(gate)·up to output column j (N/2 output columns).
+// Row gather (a_rows): output row m reads X row a_rows[m] (MoE: tokens sorted by expert).
+// Grouped (tile_map): blockIdx.y indexes device-built tiles {expert, m0, m1}: rows [m0, min(m0+BM,
+//   m1)) against W rows expert·expert_rows + n — all experts in one launch, no host round trip.
+//
+// Shapes: X [rows, lda] bf16 planes; W [N (per expert), K], K % 64 == 0; Y [M, ldo].
+// Launch: grid (⌈N/128⌉, ⌈M/128⌉ or max tiles), block 256 (8 warps as 2 (M) × 4 (N), warp tile
+//   64×32 = 4×4 mma tiles), dynamic smem 2 stages × planes × 16 KiB (64 KiB fast, 128 KiB split).
+//   Per k-tile of 64: A by cp.async (zero-filled past the end), B by 16-byte register loads issued
+//   before the current tile's mma and dequantised into the other stage after them.
+// FLOPs 2·M·N·K (×3 split). Bytes: W once per M-tile (L2 serves repeats), X once per N-tile.
+
+#define GEMM_BM 128
+#define GEMM_BN 128
+#define GEMM_BK 64
+#define GEMM_THREADS 256
+#define GEMM_TILE_BYTES (GEMM_BM * GEMM_BK * 2) // one plane of one stage: 128 rows × 128 bytes
+
+#define GEMM_OUT_F32 0
+#define GEMM_OUT_F32_ACC 1
+#define GEMM_OUT_BF16 2
+
+struct GemmParams {
+    u64 a_hi;       // bf16 [rows, lda]
+    u64 a_lo;       // bf16 [rows, lda], split precision only
+    u64 a_rows;     // i32 [M] gather, or 0
+    MatrixRef w;    // [N (· experts), K]
+    u64 out;        // f32 [M, ldo], or the bf16 hi plane
+    u64 out_lo;     // bf16 lo plane or 0
+    u64 row_scale;  // f32 [M] or 0
+    u64 tile_map;   // grouped: int4 {expert, m0, m1, 0} per tile, or 0
+    u64 tile_count; // grouped: i32 number of valid tiles
+    i64 expert_rows;// grouped: W rows per expert
+    int M, N, K, lda, ldo, group_size, mode, swiglu;
+};
+
+// Tile byte offset of (row r, 16-byte chunk c) with the XOR swizzle.
+__device__ __forceinline__ u32 gemm_swz(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+template <int FMT, int SPLIT>
+__device__ __forceinline__ void gemm_body(const GemmParams& p) {
+    typedef Fmt<FMT> F;
+    constexpr int UPR = GEMM_BK / F::W;               // 16-byte weight units per tile row
+    constexpr int UPT = GEMM_BN * UPR / GEMM_THREADS; // units per thread per k-tile
+    constexpr bool B_LO = SPLIT && FMT != FMT_BF16;
+    constexpr int PLANES = 2 + (SPLIT ? 1 : 0) + (B_LO ? 1 : 0);
+    extern __shared__ __align__(128) u8 smem[];
+    // stage s, plane: A_hi, A_lo?, B_hi, B_lo?
+    const u32 sbase = smem_addr(smem);
+    auto plane = [&](int stage, int which) -> u32 { return sbase + (u32)((stage * PLANES + which) * GEMM_TILE_BYTES); };
+    constexpr int P_AHI = 0, P_ALO = 1, P_BHI = SPLIT ? 2 : 1, P_BLO = P_BHI + 1;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 2, wn = warp & 3;
+
+    int m0, m_end;
+    i64 w_base = 0;
+    if (p.tile_map) {
+        if ((int)blockIdx.y >= *(const int*)p.tile_count) return;
+        const int4 t = ((const int4*)p.tile_map)[blockIdx.y];
+        m0 = t.y;
+        m_end = min(t.z, t.y + GEMM_BM);
+        w_base = (i64)t.x * p.expert_rows;
+    } else {
+        m0 = blockIdx.y * GEMM_BM;
+        m_end = min(p.M, m0 + GEMM_BM);
+    }
+    const int n0 = blockIdx.x * GEMM_BN; // tile rows (W rows, interleaved gate/up under SwiGLU)
+    const int n_out = p.swiglu ? p.N / 2 : p.N;
+
+    // A: 4 chunks per thread per plane (128 rows × 8 chunks); source rows fixed for the whole K loop.
+    const u8* a_src[4];
+    int a_bytes[4];
+    u32 a_dst[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = tid + i * GEMM_THREADS, r = c >> 3, ch = c & 7;
+        const int m = m0 + r;
+        const bool valid = m < m_end;
+        const int src_row = valid ? (p.a_rows ? ((const int*)p.a_rows)[m] : m) : 0;
+        a_src[i] = (const u8*)p.a_hi + ((i64)src_row * p.lda + ch * 8) * 2;
+        a_bytes[i] = valid ? 16 : 0;
+        a_dst[i] = gemm_swz(r, ch);
+    }
+    const i64 lo_delta = SPLIT ? (i64)(p.a_lo - p.a_hi) : 0;
+
+    // B: unit u = tid + i·256 → tile row u / UPR, unit-in-row u % UPR; W row (−1: past the end).
+    i64 b_row[UPT];
+#pragma unroll
+    for (int i = 0; i < UPT; ++i) {
+        const int u = tid + i * GEMM_THREADS, r = u / UPR;
+        i64 row = -1;
+        if (p.swiglu) {
+            const int j = n0 / 2 + r / 2;
+            if (j < n_out) row = w_base + ((r & 1) ? n_out + j : j);
+        } else if (n0 + r < p.N) {
+            row = w_base + n0 + r;
+        }
+        b_row[i] = row;
+    }
+    uint4 b_raw[UPT];
+    float2 b_par[UPT];
+
+    auto load_a = [&](int stage, int kt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u8* src = a_src[i] + (i64)kt * GEMM_BK * 2;
+            cp_async16(plane(stage, P_AHI) + a_dst[i], src, a_bytes[i]);
+            if (SPLIT) cp_async16(plane(stage, P_ALO) + a_dst[i], src + lo_delta, a_bytes[i]);
+        }
+        cp_async_commit();
+    };
+    auto load_b = [&](int kt) {
+#pragma unroll
+        for (int i = 0; i < UPT; ++i) {
+            const int uu = (tid + i * GEMM_THREADS) % UPR;
+            const int k = kt * GEMM_BK + uu * F::W;
+            if (b_row[i] >= 0) {
+                b_raw[i] = ld_nc_16((const u8*)p.w.data + b_row[i] * p.w.row_bytes + (i64)(k / F::W) * 16);
+                if (F::AFFINE) b_par[i] = load_group_params(p.w, b_row[i], k / p.group_size);
+            } else {
+                b_raw[i] = make_uint4(0u, 0u, 0u, 0u);
+                b_par[i] = make_float2(0.0f, 0.0f);
+            }
+        }
+    };
+    auto store_b = [&](int stage) {
+        u8* hi_tile = smem + (plane(stage, P_BHI) - sbase);
+        u8* lo_tile = smem + (plane(stage, P_BLO) - sbase);
+#pragma unroll
+        for (int i = 0; i < UPT; ++i) {
+            const int u = tid + i * GEMM_THREADS, r = u / UPR, uu = u % UPR;
+            if (FMT == FMT_BF16) {
+                *(uint4*)(hi_tile + gemm_swz(r, uu)) = b_raw[i]; // exact: no conversion, no lo plane
+                continue;
+            }
+            float v[F::W];
+            F::decode(b_raw[i], v, b_par[i].x, b_par[i].y);
+            // groups of 4 weights → 8 bytes of bf16 at k = uu·W + 4q
+#pragma unroll
+            for (int q = 0; q < F::W / 4; ++q) {
+                const int k = uu * F::W + 4 * q;
+                const u32 off = gemm_swz(r, k >> 3) + ((k & 4) ? 8 : 0);
+                u16 h[4], l[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) split_bf16(v[4 * q + e], h[e], l[e]);
+                *(uint2*)(hi_tile + off) = make_uint2((u32)h[0] | ((u32)h[1] << 16), (u32)h[2] | ((u32)h[3] << 16));
+                if (B_LO)
+                    *(uint2*)(lo_tile + off) = make_uint2((u32)l[0] | ((u32)l[1] << 16), (u32)l[2] | ((u32)l[3] << 16));
+            }
+        }
+    };
+
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    const int KT = p.K / GEMM_BK;
+    load_a(0, 0);
+    load_b(0);
+    store_b(0);
+    cp_async_wait_all();
+    __syncthreads();
+
+    for (int kt = 0; kt < KT; ++kt) {
+        const int cur = kt & 1;
+        const bool more = kt + 1 < KT;
+        if (more) {
+            load_a(cur ^ 1, kt + 1);
+            load_b(kt + 1); // in flight during the mma below
+        }
+#pragma unroll
+        for (int ks = 0; ks < GEMM_BK / 16; ++ks) {
+            u32 af[4][4], al[4][4], bf[4][2], bl[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = wm * 64 + i * 16 + (lane & 15), ch = ks * 2 + (lane >> 4);
+                ldsm_x4(plane(cur, P_AHI) + gemm_swz(r, ch), af[i][0], af[i][1], af[i][2], af[i][3]);
+                if (SPLIT) ldsm_x4(plane(cur, P_ALO) + gemm_swz(r, ch), al[i][0], al[i][1], al[i][2], al[i][3]);
+            }
+#pragma unroll
+            for (int pr = 0; pr < 2; ++pr) {
+                const int n = wn * 32 + pr * 16 + (lane & 7) + ((lane >> 4) << 3);
+                const int ch = ks * 2 + ((lane >> 3) & 1);
+                ldsm_x4(plane(cur, P_BHI) + gemm_swz(n, ch), bf[2 * pr][0], bf[2 * pr][1], bf[2 * pr + 1][0],
+                        bf[2 * pr + 1][1]);
+                if (B_LO)
+                    ldsm_x4(plane(cur, P_BLO) + gemm_swz(n, ch), bl[2 * pr][0], bl[2 * pr][1], bl[2 * pr + 1][0],
+                            bl[2 * pr + 1][1]);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    mma_bf16(acc[i][j], af[i], bf[j][0], bf[j][1]);
+                    if (SPLIT) mma_bf16(acc[i][j], al[i], bf[j][0], bf[j][1]);
+                    if (B_LO) mma_bf16(acc[i][j], af[i], bl[j][0], bl[j][1]);
+                }
+        }
+        if (more) store_b(cur ^ 1);
+        cp_async_wait_all();
+        __syncthreads();
+    }
+
+    // Epilogue.
+    float* out_f = (float*)p.out;
+    u16* out_hi = (u16*)p.out;
+    u16* out_lo = (u16*)p.out_lo;
+    const float* scale = (const float*)p.row_scale;
+    auto emit = [&](int m, int n, float v) {
+        if (scale) v *= scale[m];
+        const i64 idx = (i64)m * p.ldo + n;
+        if (p.mode == GEMM_OUT_F32) out_f[idx] = v;
+        else if (p.mode == GEMM_OUT_F32_ACC) out_f[idx] += v;
+        else store_planes(out_hi, out_lo, idx, v);
+    };
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int ma = m0 + wm * 64 + i * 16 + (lane >> 2), mb = ma + 8;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = n0 + wn * 32 + j * 8 + 2 * (lane & 3);
+            const float* c = acc[i][j];
+            if (p.swiglu) {
+                const int jo = col >> 1; // (gate, up) of output column jo sit in (c0, c1)
+                if (jo < n_out) {
+                    if (ma < m_end) emit(ma, jo, silu_f(c[0]) * c[1]);
+                    if (mb < m_end) emit(mb, jo, silu_f(c[2]) * c[3]);
+                }
+            } else {
+                if (ma < m_end) {
+                    if (col < p.N) emit(ma, col, c[0]);
+                    if (col + 1 < p.N) emit(ma, col + 1, c[1]);
+                }
+                if (mb < m_end) {
+                    if (col < p.N) emit(mb, col, c[2]);
+                    if (col + 1 < p.N) emit(mb, col + 1, c[3]);
+                }
+            }
+        }
+    }
+}
+
+#define GEMM_KERNELS(suffix, FMT)                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_##suffix##_fast(const GemmParams p) {  \
+        gemm_body<FMT, 0>(p);                                                                          \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_##suffix##_split(const GemmParams p) { \
+        gemm_body<FMT, 1>(p);                                                                          \
+    }
+GEMM_KERNELS(f32, FMT_F32)
+GEMM_KERNELS(bf16, FMT_BF16)
+GEMM_KERNELS(f16, FMT_F16)
+GEMM_KERNELS(q4, FMT_Q4)
+GEMM_KERNELS(q8, FMT_Q8)
+
+// ---------------------------------------------------------------- RMSNorm rows → bf16 planes
+// x̂[t] = x[t]·(1/√(mean(x[t]²) + eps))·gain   (gain = 1 + w; no norm when gain is null: a plain
+// conversion). Output planes hi/lo [T, D] (lo may be null). grid T, block 256, static smem.
+// CPU reference: calla_cpu::norm::rms_norm_zero_centred. Bytes: T·D·(4 in + 2–4 out).
+struct RowNormParams {
+    u64 x;     // [T, D] f32
+    u64 gain;  // [D] f32 or 0
+    u64 hi, lo;// [T, D] bf16
+    int T, D;
+    float eps;
+    int pad;
+};
+
+extern "C" __global__ void __launch_bounds__(256) gemm_rmsnorm_planes(const RowNormParams p) {
+    __shared__ float red[32];
+    const int t = blockIdx.x;
+    const float* x = (const float*)p.x + (i64)t * p.D;
+    float inv = 1.0f;
+    if (p.gain) {
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < p.D; i += blockDim.x) ss += x[i] * x[i];
+        inv = 1.0f / sqrtf(block_sum(ss, red) / (float)p.D + p.eps);
+    }
+    const float* g = (const float*)p.gain;
+    for (int i = threadIdx.x; i < p.D; i += blockDim.x) {
+        const float v = g ? x[i] * inv * g[i] : x[i];
+        store_planes((u16*)p.hi, (u16*)p.lo, (i64)t * p.D + i, v);
+    }
+}
+
+// ---------------------------------------------------------------- embedding rows
+// h[t] = E[tokens[t]] (dequantised), ids clamped to the table. grid T, block 256.
+struct EmbedRowsParams {
+    MatrixRef m;
+    u64 tokens; // i32 [T]
+    u64 out;    // [T, D] f32
+    int T, D, group_size, rows;
+};
+
+template <int FMT>
+__device__ __forceinline__ void embed_rows_body(const EmbedRowsParams& p) {
+    typedef Fmt<FMT> F;
+    const int t = blockIdx.x;
+    int token = ((const int*)p.tokens)[t];
+    token = token < 0 ? 0 : (token >= p.rows ? p.rows - 1 : token);
+    const u8* row = (const u8*)p.m.data + (i64)token * p.m.row_bytes;
+    float* out = (float*)p.out + (i64)t * p.D;
+    float vals[F::W];
+    for (int u = threadIdx.x; u < p.D / F::W; u += blockDim.x) {
+        const uint4 w = ld_nc_16(row + (i64)u * 16);
+        float scale = 1.0f, bias = 0.0f;
+        if (F::AFFINE) {
+            const float2 g = load_group_params(p.m, token, (u * F::W) / p.group_size);
+            scale = g.x;
+            bias = g.y;
+        }
+        F::decode(w, vals, scale, bias);
+#pragma unroll
+        for (int j = 0; j < F::W; ++j) out[u * F::W + j] = vals[j];
+    }
+}
+
+#define EMBED_ROWS_KERNEL(suffix, FMT) \
+    extern "C" __global__ void __launch_bounds__(256) gemm_embed_rows_##suffix(const EmbedRowsParams p) { embed_rows_body<FMT>(p); }
+EMBED_ROWS_KERNEL(f32, FMT_F32)
+EMBED_ROWS_KERNEL(bf16, FMT_BF16)
+EMBED_ROWS_KERNEL(f16, FMT_F16)
+EMBED_ROWS_KERNEL(q4, FMT_Q4)
+EMBED_ROWS_KERNEL(q8, FMT_Q8)

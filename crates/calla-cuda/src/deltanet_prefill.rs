@@ -1,0 +1,320 @@
+//! Launcher for kernels/deltanet_prefill.cu: the Gated DeltaNet core of a prompt (conv + L2 norm,
+//! conv-ring update, per-chunk UT transform, the sequential chunk scan, gated RMSNorm), reading and
+//! advancing the decode path's state (conv ring `[K, C]`, S `[Hv, Dv, Dk]`, both f32).
+//!
+//! Legend: T prompt tokens, p0 first position, C conv channels = 2·Hk·Dk + Hv·Dv, K conv kernel,
+//! Hk/Hv key/value heads, Dk/Dv their dims, NC = ⌈T/64⌉ chunks.
+
+use anyhow::{ensure, Result};
+use calla_model::ModelSpec;
+
+use crate::gemm::Planes;
+use crate::gpu::{DPtr, Gpu, Launch};
+
+pub const CHUNK: usize = 64;
+const MAX_K: usize = 8;
+const BV: usize = 32;
+
+/// Device buffers of one DeltaNet layer's prompt core.
+#[derive(Debug, Clone, Copy)]
+pub struct DeltaNetPrefillIo {
+    /// projections: qkv `[T, C]` (pre-conv), z `[T, Hv·Dv]`, b and a `[T, Hv]`, all f32
+    pub qkv: DPtr,
+    pub z: DPtr,
+    pub b: DPtr,
+    pub a: DPtr,
+    /// weights (DevDeltaNet): conv `[C, K]`, A_log and dt_bias `[Hv]`, gated-norm gain `[Dv]`, f32
+    pub conv_w: DPtr,
+    pub a_log: DPtr,
+    pub dt_bias: DPtr,
+    pub norm_w: DPtr,
+    /// this layer's state in the sequence: conv ring `[K, C]`, S `[Hv, Dv, Dk]`
+    pub conv_ring: DPtr,
+    pub state: DPtr,
+    /// scratch (see [`DeltaNetScratchSizes`])
+    pub conv_out: DPtr,
+    pub w: DPtr,
+    pub u: DPtr,
+    pub aqk: DPtr,
+    pub gcum: DPtr,
+    pub o: DPtr,
+    /// output: gated-norm result as planes `[T, Hv·Dv]` (out_proj's input)
+    pub y: Planes,
+}
+
+/// f32 element counts of the scratch buffers for a prompt of `t` tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct DeltaNetScratchSizes {
+    pub conv_out: usize,
+    pub w: usize,
+    pub u: usize,
+    pub aqk: usize,
+    pub gcum: usize,
+    pub o: usize,
+}
+
+pub fn scratch_sizes(spec: &ModelSpec, t: usize) -> DeltaNetScratchSizes {
+    let (hv, dk, dv) = (
+        spec.linear_num_value_heads,
+        spec.linear_key_head_dim,
+        spec.linear_value_head_dim,
+    );
+    DeltaNetScratchSizes {
+        conv_out: t * spec.linear_conv_dim(),
+        w: t * hv * dk,
+        u: t * hv * dv,
+        aqk: t.div_ceil(CHUNK) * hv * CHUNK * CHUNK,
+        gcum: t * hv,
+        o: t * hv * dv,
+    }
+}
+
+pub fn check_dims(spec: &ModelSpec) -> Result<()> {
+    let (hk, hv, dk, dv) = (
+        spec.linear_num_key_heads,
+        spec.linear_num_value_heads,
+        spec.linear_key_head_dim,
+        spec.linear_value_head_dim,
+    );
+    ensure!(
+        hk > 0 && hv % hk == 0,
+        "DeltaNet prefill: {hv} value heads over {hk} key heads"
+    );
+    ensure!(
+        (1..=128).contains(&dk) && (1..=256).contains(&dv),
+        "DeltaNet prefill supports key head dims ≤ 128 and value head dims ≤ 256 (got {dk}, {dv})"
+    );
+    ensure!(
+        (1..=MAX_K).contains(&spec.linear_conv_kernel_dim),
+        "DeltaNet prefill supports conv kernels of 1..={MAX_K} taps (got {})",
+        spec.linear_conv_kernel_dim
+    );
+    Ok(())
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct DnConvParams {
+    qkv: u64,
+    conv_w: u64,
+    ring: u64,
+    out: u64,
+    t: i32,
+    p0: i32,
+    c: i32,
+    k: i32,
+    hk: i32,
+    hv: i32,
+    dk: i32,
+    dv: i32,
+    q_scale: f32,
+    pad: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct DnRingParams {
+    qkv: u64,
+    ring: u64,
+    t: i32,
+    p0: i32,
+    c: i32,
+    k: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct DnChunkParams {
+    qkvc: u64,
+    a: u64,
+    b: u64,
+    a_log: u64,
+    dt_bias: u64,
+    w_out: u64,
+    u_out: u64,
+    aqk_out: u64,
+    gcum_out: u64,
+    t: i32,
+    c: i32,
+    hk: i32,
+    hv: i32,
+    dk: i32,
+    dv: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct DnScanParams {
+    qkvc: u64,
+    w_in: u64,
+    u_in: u64,
+    aqk_in: u64,
+    gcum_in: u64,
+    state: u64,
+    o_out: u64,
+    t: i32,
+    c: i32,
+    hk: i32,
+    hv: i32,
+    dk: i32,
+    dv: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct DnNormParams {
+    o: u64,
+    z: u64,
+    norm_w: u64,
+    out_hi: u64,
+    out_lo: u64,
+    t: i32,
+    hv: i32,
+    dv: i32,
+    eps: f32,
+}
+
+/// The launches of one layer's DeltaNet core for `t` tokens at positions `p0..p0+t`.
+pub fn prefill_core(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    p0: usize,
+    t: usize,
+    io: &DeltaNetPrefillIo,
+) -> Result<Vec<Launch>> {
+    check_dims(spec)?;
+    ensure!(t > 0, "DeltaNet prefill: no tokens");
+    ensure!(
+        io.y.ld == spec.linear_value_dim(),
+        "DeltaNet prefill: output stride {}",
+        io.y.ld
+    );
+    let (hk, hv, dk, dv) = (
+        spec.linear_num_key_heads,
+        spec.linear_num_value_heads,
+        spec.linear_key_head_dim,
+        spec.linear_value_head_dim,
+    );
+    let (c, k) = (spec.linear_conv_dim(), spec.linear_conv_kernel_dim);
+    let nc = t.div_ceil(CHUNK);
+    let (ti, ci, p0i) = (t as i32, c as i32, p0 as i32);
+    let dims = (hk as i32, hv as i32, dk as i32, dv as i32);
+    let mut out = Vec::with_capacity(5);
+
+    let conv = DnConvParams {
+        qkv: io.qkv.0,
+        conv_w: io.conv_w.0,
+        ring: io.conv_ring.0,
+        out: io.conv_out.0,
+        t: ti,
+        p0: p0i,
+        c: ci,
+        k: k as i32,
+        hk: dims.0,
+        hv: dims.1,
+        dk: dims.2,
+        dv: dims.3,
+        q_scale: (dk as f32).powf(-0.5),
+        pad: 0,
+    };
+    let width = dk.max(dv);
+    out.push(Launch::new(
+        gpu,
+        "prefill_dn_conv",
+        (nc as u32, (2 * hk + hv) as u32, 1),
+        128,
+        (CHUNK * (width + 1) * 4) as u32,
+        &conv,
+    )?);
+    let ring = DnRingParams {
+        qkv: io.qkv.0,
+        ring: io.conv_ring.0,
+        t: ti,
+        p0: p0i,
+        c: ci,
+        k: k as i32,
+    };
+    out.push(Launch::new(
+        gpu,
+        "prefill_dn_ring",
+        (c.div_ceil(256) as u32, k as u32, 1),
+        256,
+        0,
+        &ring,
+    )?);
+
+    let chunk = DnChunkParams {
+        qkvc: io.conv_out.0,
+        a: io.a.0,
+        b: io.b.0,
+        a_log: io.a_log.0,
+        dt_bias: io.dt_bias.0,
+        w_out: io.w.0,
+        u_out: io.u.0,
+        aqk_out: io.aqk.0,
+        gcum_out: io.gcum.0,
+        t: ti,
+        c: ci,
+        hk: dims.0,
+        hv: dims.1,
+        dk: dims.2,
+        dv: dims.3,
+    };
+    let region = (2 * CHUNK * (dk + 1)).max(CHUNK * (dv + dk));
+    let chunk_smem = (region + CHUNK * 65 + 2 * CHUNK) * 4;
+    out.push(Launch::new(
+        gpu,
+        "prefill_dn_chunk",
+        (nc as u32, hv as u32, 1),
+        256,
+        chunk_smem as u32,
+        &chunk,
+    )?);
+
+    let scan = DnScanParams {
+        qkvc: io.conv_out.0,
+        w_in: io.w.0,
+        u_in: io.u.0,
+        aqk_in: io.aqk.0,
+        gcum_in: io.gcum.0,
+        state: io.state.0,
+        o_out: io.o.0,
+        t: ti,
+        c: ci,
+        hk: dims.0,
+        hv: dims.1,
+        dk: dims.2,
+        dv: dims.3,
+    };
+    let scan_smem =
+        (3 * CHUNK * (dk + 1) + BV * (dk + 1) + 2 * CHUNK * 33 + CHUNK * 65 + 2 * CHUNK) * 4;
+    out.push(Launch::new(
+        gpu,
+        "prefill_dn_scan",
+        (dv.div_ceil(BV) as u32, hv as u32, 1),
+        256,
+        scan_smem as u32,
+        &scan,
+    )?);
+
+    let norm = DnNormParams {
+        o: io.o.0,
+        z: io.z.0,
+        norm_w: io.norm_w.0,
+        out_hi: io.y.hi.0,
+        out_lo: io.y.lo.0,
+        t: ti,
+        hv: dims.1,
+        dv: dims.3,
+        eps: spec.rms_norm_eps,
+    };
+    out.push(Launch::new(
+        gpu,
+        "prefill_dn_norm",
+        ((t * hv).div_ceil(8) as u32, 1, 1),
+        256,
+        0,
+        &norm,
+    )?);
+    Ok(out)
+}

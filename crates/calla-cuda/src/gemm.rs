@@ -1,0 +1,347 @@
+//! Launchers for kernels/gemm.cu: prompt-sized products `Y = X·Wᵀ` on the tensor cores, the
+//! RMSNorm → bf16-planes row kernel that feeds them, and the embedding of T tokens.
+//!
+//! Activations enter a GEMM as bf16 [`Planes`]: `hi = bf16(x)` and, in [`Precision::Split`],
+//! `lo = bf16(x − hi)`. Fast precision multiplies hi·hi (bf16 products, f32 accumulation); split
+//! adds lo(x)·hi(w) + hi(x)·lo(w), which is f32-accurate to ~1e-6 relative — the precision of the
+//! f32 CPU reference, for f32 fixture models, the router, and parity tests.
+//!
+//! Legend: M rows (tokens or sorted expert slots), N output features (W rows), K input features,
+//! E experts.
+
+use anyhow::{bail, ensure, Result};
+
+use crate::gpu::{DPtr, Gpu, Launch};
+use crate::weights::{DevMatrix, Format, MatrixRef};
+
+pub const BM: usize = 128;
+pub const BN: usize = 128;
+pub const BK: usize = 64;
+pub const THREADS: u32 = 256;
+const TILE_BYTES: usize = BM * BK * 2;
+
+/// Which products a GEMM runs (see the module header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// bf16 activations × bf16 (dequantised) weights, f32 accumulation.
+    Fast,
+    /// bf16 hi + lo splits of both operands: ~f32 accuracy at 3× the tensor-core work.
+    Split,
+}
+
+impl Precision {
+    fn suffix(self) -> &'static str {
+        match self {
+            Precision::Fast => "fast",
+            Precision::Split => "split",
+        }
+    }
+    /// The precision to run a matrix in when the caller has no preference: f32/f16 weights are a
+    /// reference-precision model (fixtures), so they get split; bf16 and quantised weights fast.
+    pub fn for_format(format: Format) -> Precision {
+        match format {
+            Format::F32 | Format::F16 => Precision::Split,
+            Format::Bf16 | Format::Q4 | Format::Q8 => Precision::Fast,
+        }
+    }
+}
+
+/// bf16 activation planes `[rows, ld]` (u16 each); `lo` is NULL when absent.
+#[derive(Debug, Clone, Copy)]
+pub struct Planes {
+    pub hi: DPtr,
+    pub lo: DPtr,
+    pub ld: usize,
+}
+
+impl Planes {
+    pub fn new(hi: DPtr, lo: DPtr, ld: usize) -> Planes {
+        Planes { hi, lo, ld }
+    }
+    /// The same planes without the lo plane (a fast-precision consumer).
+    pub fn hi_only(self) -> Planes {
+        Planes {
+            lo: DPtr::NULL,
+            ..self
+        }
+    }
+    /// The planes for a consumer of `precision` (drops lo when not needed).
+    pub fn for_precision(self, precision: Precision) -> Planes {
+        match precision {
+            Precision::Fast => self.hi_only(),
+            Precision::Split => self,
+        }
+    }
+}
+
+/// Where a GEMM's result goes.
+#[derive(Debug, Clone, Copy)]
+pub enum GemmOut {
+    /// f32 `[M, ld]`, stored or added to (`accumulate`: the residual add).
+    F32 {
+        ptr: DPtr,
+        ld: usize,
+        accumulate: bool,
+    },
+    /// bf16 planes (the next GEMM's input).
+    Planes(Planes),
+}
+
+/// Device-built tile list of a grouped (all-experts) GEMM: `tile_map[i] = {expert, m0, m1, 0}`
+/// for i < *tile_count; W rows of expert e start at `e · expert_rows`.
+#[derive(Debug, Clone, Copy)]
+pub struct Grouped {
+    pub tile_map: DPtr,
+    pub tile_count: DPtr,
+    /// grid size: an upper bound of the tile count (⌈M/BM⌉ + E)
+    pub max_tiles: usize,
+    pub expert_rows: usize,
+}
+
+/// One GEMM: `out[m, n] = (row_scale[m] ·) Σ_k A[a_row(m), k] · W[w_row(n), k]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Gemm<'a> {
+    pub a: Planes,
+    /// i32 `[M]`: A row of each output row (MoE gather), or None (row m).
+    pub gather: Option<DPtr>,
+    /// rows (for grouped: the total of sorted slots; the tiles say which rows exist)
+    pub m: usize,
+    pub w: &'a DevMatrix,
+    /// W rows used (per expert when grouped); with `swiglu` these are 2·N_out rows, gate then up
+    pub n: usize,
+    pub swiglu: bool,
+    pub out: GemmOut,
+    pub row_scale: Option<DPtr>,
+    pub precision: Precision,
+    pub grouped: Option<Grouped>,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GemmParams {
+    pub a_hi: u64,
+    pub a_lo: u64,
+    pub a_rows: u64,
+    pub w: MatrixRef,
+    pub out: u64,
+    pub out_lo: u64,
+    pub row_scale: u64,
+    pub tile_map: u64,
+    pub tile_count: u64,
+    pub expert_rows: i64,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub lda: i32,
+    pub ldo: i32,
+    pub group_size: i32,
+    pub mode: i32,
+    pub swiglu: i32,
+}
+
+const OUT_F32: i32 = 0;
+const OUT_F32_ACC: i32 = 1;
+const OUT_BF16: i32 = 2;
+
+/// Dynamic shared memory of one GEMM block.
+pub fn smem_bytes(format: Format, precision: Precision) -> usize {
+    let split = precision == Precision::Split;
+    let planes = 2 + split as usize + (split && format != Format::Bf16) as usize;
+    2 * planes * TILE_BYTES
+}
+
+/// Output columns of a GEMM (N, or N/2 under SwiGLU).
+pub fn out_cols(n: usize, swiglu: bool) -> usize {
+    if swiglu {
+        n / 2
+    } else {
+        n
+    }
+}
+
+pub fn gemm(gpu: &Gpu, g: &Gemm) -> Result<Launch> {
+    let w = g.w;
+    let k = w.cols;
+    ensure!(k % BK == 0, "gemm: K = {k} must be a multiple of {BK}");
+    ensure!(
+        g.a.ld >= k && !g.a.hi.is_null(),
+        "gemm: activations of row stride {} for K = {k}",
+        g.a.ld
+    );
+    ensure!(
+        g.precision == Precision::Fast || !g.a.lo.is_null(),
+        "gemm: split precision needs the activations' lo plane"
+    );
+    ensure!(
+        g.n > 0 && g.m > 0,
+        "gemm: empty product ({} × {})",
+        g.m,
+        g.n
+    );
+    ensure!(
+        !g.swiglu || g.n % 2 == 0,
+        "gemm: SwiGLU needs gate and up rows (N = {} is odd)",
+        g.n
+    );
+    if w.format.is_affine() {
+        ensure!(
+            w.group_size % w.format.per_unit() == 0,
+            "gemm: group size {} too small",
+            w.group_size
+        );
+    }
+    match &g.grouped {
+        Some(gr) => ensure!(
+            gr.expert_rows >= g.n && w.rows % gr.expert_rows == 0 && gr.max_tiles > 0,
+            "gemm: {} W rows do not split into experts of {} rows (N = {})",
+            w.rows,
+            gr.expert_rows,
+            g.n
+        ),
+        None => ensure!(g.n <= w.rows, "gemm: N = {} but W has {} rows", g.n, w.rows),
+    }
+    let cols = out_cols(g.n, g.swiglu);
+    let (out, out_lo, ldo, mode) = match g.out {
+        GemmOut::F32 {
+            ptr,
+            ld,
+            accumulate,
+        } => (
+            ptr,
+            DPtr::NULL,
+            ld,
+            if accumulate { OUT_F32_ACC } else { OUT_F32 },
+        ),
+        GemmOut::Planes(p) => (p.hi, p.lo, p.ld, OUT_BF16),
+    };
+    ensure!(
+        ldo >= cols && !out.is_null(),
+        "gemm: output row stride {ldo} < {cols} columns"
+    );
+    if g.m > i32::MAX as usize || ldo > i32::MAX as usize || g.a.ld > i32::MAX as usize {
+        bail!(
+            "gemm: {} rows of stride {} / {} do not fit 32-bit indices",
+            g.m,
+            g.a.ld,
+            ldo
+        );
+    }
+    let p = GemmParams {
+        a_hi: g.a.hi.0,
+        a_lo: if g.precision == Precision::Split {
+            g.a.lo.0
+        } else {
+            0
+        },
+        a_rows: g.gather.map(|d| d.0).unwrap_or(0),
+        w: w.kref(),
+        out: out.0,
+        out_lo: out_lo.0,
+        row_scale: g.row_scale.map(|d| d.0).unwrap_or(0),
+        tile_map: g.grouped.map(|gr| gr.tile_map.0).unwrap_or(0),
+        tile_count: g.grouped.map(|gr| gr.tile_count.0).unwrap_or(0),
+        expert_rows: g.grouped.map(|gr| gr.expert_rows as i64).unwrap_or(0),
+        m: g.m as i32,
+        n: g.n as i32,
+        k: k as i32,
+        lda: g.a.ld as i32,
+        ldo: ldo as i32,
+        group_size: w.group_size.max(1) as i32,
+        mode,
+        swiglu: g.swiglu as i32,
+    };
+    let grid_y = match &g.grouped {
+        Some(gr) => gr.max_tiles,
+        None => g.m.div_ceil(BM),
+    };
+    ensure!(
+        grid_y <= 65535,
+        "gemm: {grid_y} row tiles exceed the grid limit (split the prompt)"
+    );
+    let name = format!("gemm_{}_{}", w.format.suffix(), g.precision.suffix());
+    // SAFETY (of the eventual launch): every pointer above was checked non-null where required and
+    // the kernel bounds rows by M (or the tile's m1) and columns by N; strides checked above.
+    Launch::new(
+        gpu,
+        &name,
+        (g.n.div_ceil(BN) as u32, grid_y as u32, 1),
+        THREADS,
+        smem_bytes(w.format, g.precision) as u32,
+        &p,
+    )
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RowNormParams {
+    pub x: u64,
+    pub gain: u64,
+    pub hi: u64,
+    pub lo: u64,
+    pub t: i32,
+    pub d: i32,
+    pub eps: f32,
+    pub pad: i32,
+}
+
+/// `planes[t] = rmsnorm₀(x[t])·gain` (gain = 1 + w), or a plain f32 → planes conversion without a
+/// gain. x `[T, D]` f32 → planes `[T, D]`.
+pub fn rmsnorm_planes(
+    gpu: &Gpu,
+    x: DPtr,
+    gain: Option<DPtr>,
+    eps: f32,
+    t: usize,
+    d: usize,
+    out: Planes,
+) -> Result<Launch> {
+    ensure!(
+        out.ld == d,
+        "rmsnorm_planes: output stride {} for D = {d}",
+        out.ld
+    );
+    let p = RowNormParams {
+        x: x.0,
+        gain: gain.map(|g| g.0).unwrap_or(0),
+        hi: out.hi.0,
+        lo: out.lo.0,
+        t: t as i32,
+        d: d as i32,
+        eps,
+        pad: 0,
+    };
+    Launch::new(gpu, "gemm_rmsnorm_planes", (t as u32, 1, 1), 256, 0, &p)
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EmbedRowsParams {
+    pub m: MatrixRef,
+    pub tokens: u64,
+    pub out: u64,
+    pub t: i32,
+    pub d: i32,
+    pub group_size: i32,
+    pub rows: i32,
+}
+
+/// `h[t] = E[tokens[t]]` (dequantised): tokens i32 `[T]` on the device → h `[T, D]` f32.
+pub fn embed_rows(gpu: &Gpu, table: &DevMatrix, tokens: DPtr, t: usize, h: DPtr) -> Result<Launch> {
+    let p = EmbedRowsParams {
+        m: table.kref(),
+        tokens: tokens.0,
+        out: h.0,
+        t: t as i32,
+        d: table.cols as i32,
+        group_size: table.group_size.max(1) as i32,
+        rows: table.rows as i32,
+    };
+    Launch::new(
+        gpu,
+        &format!("gemm_embed_rows_{}", table.format.suffix()),
+        (t as u32, 1, 1),
+        256,
+        0,
+        &p,
+    )
+}

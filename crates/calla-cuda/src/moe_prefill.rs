@@ -1,0 +1,403 @@
+//! Launcher for the MoE block of a prompt: kernels/moe_prefill.cu (top-A routing, counting sort,
+//! tile map, combine) around gemm.cu launches (router; grouped gate/up with SwiGLU; grouped down;
+//! the shared expert with its sigmoid gate as a per-row scale). Eight launches, nothing read back.
+//! Also the dense SwiGLU MLP (Qwen3.5 dense).
+//!
+//! Legend: T tokens, D hidden, E experts, A active experts, I / Is expert / shared intermediate,
+//! S = T·A sorted (token, expert) slots.
+
+use anyhow::{ensure, Result};
+use calla_model::{FeedForwardSpec, ModelSpec};
+
+use crate::gemm::{self, Gemm, GemmOut, Grouped, Planes, Precision};
+use crate::gpu::{DPtr, Gpu, Launch};
+use crate::weights::{DevMlp, DevMoe};
+
+pub const MAX_EXPERTS: usize = 1024;
+const TOKENS_PER_BLOCK: usize = 8;
+
+/// The MoE dims of a spec: (E, A, I, Is, norm_topk_prob).
+pub fn moe_dims(spec: &ModelSpec) -> Option<(usize, usize, usize, usize, bool)> {
+    match &spec.feed_forward {
+        FeedForwardSpec::Moe {
+            num_experts,
+            top_k,
+            expert_intermediate,
+            shared_intermediate,
+            norm_topk_prob,
+        } => Some((
+            *num_experts,
+            *top_k,
+            *expert_intermediate,
+            *shared_intermediate,
+            *norm_topk_prob,
+        )),
+        FeedForwardSpec::Dense { .. } => None,
+    }
+}
+
+/// Upper bound of the grouped GEMMs' tiles: Σ_e ⌈n_e/BM⌉ ≤ ⌈S/BM⌉ + min(E, S).
+pub fn max_tiles(t: usize, e: usize, a: usize) -> usize {
+    (t * a).div_ceil(gemm::BM) + e.min(t * a)
+}
+
+/// Device buffers of one MoE prompt block (sized for up to T tokens; see `PrefillScratch`).
+#[derive(Debug, Clone, Copy)]
+pub struct MoePrefillScratch {
+    /// f32 `[T, E]`
+    pub logits: DPtr,
+    /// i32 / f32 `[T, A]`
+    pub ids: DPtr,
+    pub weights: DPtr,
+    /// f32 `[T]`: sigmoid(shared gate)
+    pub shared_w: DPtr,
+    /// u32 `[E]`, zero between calls (allocate zeroed: the scan re-zeroes it)
+    pub counts: DPtr,
+    /// i32 `[E + 1]`, `[E]`
+    pub offsets: DPtr,
+    pub cursor: DPtr,
+    /// int4 `[max_tiles]`, i32
+    pub tile_map: DPtr,
+    pub tile_count: DPtr,
+    /// i32 `[S]`
+    pub sorted_token: DPtr,
+    pub slot_of: DPtr,
+    /// planes `[S, I]`: silu(gate)·up per slot
+    pub act: Planes,
+    /// f32 `[S, D]`: down output per slot
+    pub y_slot: DPtr,
+    /// planes `[T, Is]`
+    pub shared_act: Planes,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct TopkParams {
+    logits: u64,
+    xn_hi: u64,
+    xn_lo: u64,
+    shared_gate: u64,
+    ids: u64,
+    weights: u64,
+    shared_w: u64,
+    counts: u64,
+    t: i32,
+    e: i32,
+    a: i32,
+    d: i32,
+    norm_topk: i32,
+    pad: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct ScanParams {
+    counts: u64,
+    offsets: u64,
+    cursor: u64,
+    tile_map: u64,
+    tile_count: u64,
+    e: i32,
+    bm: i32,
+    max_tiles: i32,
+    pad: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct ScatterParams {
+    ids: u64,
+    cursor: u64,
+    sorted_token: u64,
+    slot_of: u64,
+    t: i32,
+    a: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct CombineParams {
+    h: u64,
+    y_slot: u64,
+    slot_of: u64,
+    weights: u64,
+    t: i32,
+    a: i32,
+    d: i32,
+    pad: i32,
+}
+
+/// `h += MoE(x̂)` for T tokens. `xn` is x̂ = rmsnorm₀(h)·(1 + post_attention_layernorm) as planes
+/// `[T, D]` with the lo plane (the router always runs in split precision: routing must agree with
+/// the f32 reference). `precision` applies to the expert products (None: by the weights' format).
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_moe(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    w: &DevMoe,
+    xn: Planes,
+    h: DPtr,
+    t: usize,
+    s: &MoePrefillScratch,
+    precision: Option<Precision>,
+) -> Result<Vec<Launch>> {
+    let (e, a, i, is, norm_topk) = moe_dims(spec)
+        .ok_or_else(|| anyhow::anyhow!("prefill_moe: the spec has a dense feed-forward"))?;
+    let d = spec.hidden_size;
+    ensure!(
+        e <= MAX_EXPERTS && (1..=e).contains(&a),
+        "prefill_moe: {e} experts, top {a} (≤ {MAX_EXPERTS})"
+    );
+    ensure!(
+        !xn.lo.is_null() && xn.ld == d,
+        "prefill_moe: x̂ needs both planes of stride {d}"
+    );
+    ensure!(
+        w.router.rows == e && w.gate_up.rows == e * 2 * i && w.down.rows == e * d,
+        "prefill_moe: expert shapes"
+    );
+    let slots = t * a;
+    let tiles = max_tiles(t, e, a);
+    let prec = precision.unwrap_or_else(|| Precision::for_format(w.gate_up.format));
+    let mut out = Vec::with_capacity(9);
+
+    // 1. router logits [T, E]
+    out.push(gemm::gemm(
+        gpu,
+        &Gemm {
+            a: xn,
+            gather: None,
+            m: t,
+            w: &w.router,
+            n: e,
+            swiglu: false,
+            out: GemmOut::F32 {
+                ptr: s.logits,
+                ld: e,
+                accumulate: false,
+            },
+            row_scale: None,
+            precision: Precision::Split,
+            grouped: None,
+        },
+    )?);
+    // 2.–4. top-A, counting sort, tile map
+    let topk = TopkParams {
+        logits: s.logits.0,
+        xn_hi: xn.hi.0,
+        xn_lo: xn.lo.0,
+        shared_gate: w.shared_gate.map(|g| g.0).unwrap_or(0),
+        ids: s.ids.0,
+        weights: s.weights.0,
+        shared_w: s.shared_w.0,
+        counts: s.counts.0,
+        t: t as i32,
+        e: e as i32,
+        a: a as i32,
+        d: d as i32,
+        norm_topk: norm_topk as i32,
+        pad: 0,
+    };
+    out.push(Launch::new(
+        gpu,
+        "prefill_moe_topk",
+        (t.div_ceil(TOKENS_PER_BLOCK) as u32, 1, 1),
+        (32 * TOKENS_PER_BLOCK) as u32,
+        (TOKENS_PER_BLOCK * e * 4) as u32,
+        &topk,
+    )?);
+    let scan = ScanParams {
+        counts: s.counts.0,
+        offsets: s.offsets.0,
+        cursor: s.cursor.0,
+        tile_map: s.tile_map.0,
+        tile_count: s.tile_count.0,
+        e: e as i32,
+        bm: gemm::BM as i32,
+        max_tiles: tiles as i32,
+        pad: 0,
+    };
+    out.push(Launch::new(
+        gpu,
+        "prefill_moe_scan",
+        (1, 1, 1),
+        1024,
+        0,
+        &scan,
+    )?);
+    let scatter = ScatterParams {
+        ids: s.ids.0,
+        cursor: s.cursor.0,
+        sorted_token: s.sorted_token.0,
+        slot_of: s.slot_of.0,
+        t: t as i32,
+        a: a as i32,
+    };
+    out.push(Launch::new(
+        gpu,
+        "prefill_moe_scatter",
+        (slots.div_ceil(256) as u32, 1, 1),
+        256,
+        0,
+        &scatter,
+    )?);
+    // 5. routed gate/up (+SwiGLU) over all experts: act[slot] = silu(gate_e x̂_t)·(up_e x̂_t)
+    out.push(gemm::gemm(
+        gpu,
+        &Gemm {
+            a: xn.for_precision(prec),
+            gather: Some(s.sorted_token),
+            m: slots,
+            w: &w.gate_up,
+            n: 2 * i,
+            swiglu: true,
+            out: GemmOut::Planes(s.act),
+            row_scale: None,
+            precision: prec,
+            grouped: Some(Grouped {
+                tile_map: s.tile_map,
+                tile_count: s.tile_count,
+                max_tiles: tiles,
+                expert_rows: 2 * i,
+            }),
+        },
+    )?);
+    // 6. routed down: y_slot[slot] = down_e act[slot]
+    out.push(gemm::gemm(
+        gpu,
+        &Gemm {
+            a: s.act.for_precision(prec),
+            gather: None,
+            m: slots,
+            w: &w.down,
+            n: d,
+            swiglu: false,
+            out: GemmOut::F32 {
+                ptr: s.y_slot,
+                ld: d,
+                accumulate: false,
+            },
+            row_scale: None,
+            precision: prec,
+            grouped: Some(Grouped {
+                tile_map: s.tile_map,
+                tile_count: s.tile_count,
+                max_tiles: tiles,
+                expert_rows: d,
+            }),
+        },
+    )?);
+    // 7. shared expert: h += sg ⊙ down_s(silu(gate_s x̂)·up_s x̂)
+    if let Some((gate_up, down)) = &w.shared {
+        ensure!(
+            gate_up.rows == 2 * is && down.rows == d,
+            "prefill_moe: shared expert shapes"
+        );
+        let sprec = precision.unwrap_or_else(|| Precision::for_format(gate_up.format));
+        out.push(gemm::gemm(
+            gpu,
+            &Gemm {
+                a: xn.for_precision(sprec),
+                gather: None,
+                m: t,
+                w: gate_up,
+                n: 2 * is,
+                swiglu: true,
+                out: GemmOut::Planes(s.shared_act),
+                row_scale: None,
+                precision: sprec,
+                grouped: None,
+            },
+        )?);
+        out.push(gemm::gemm(
+            gpu,
+            &Gemm {
+                a: s.shared_act.for_precision(sprec),
+                gather: None,
+                m: t,
+                w: down,
+                n: d,
+                swiglu: false,
+                out: GemmOut::F32 {
+                    ptr: h,
+                    ld: d,
+                    accumulate: true,
+                },
+                row_scale: Some(s.shared_w),
+                precision: sprec,
+                grouped: None,
+            },
+        )?);
+    }
+    // 8. h += Σ_k w[t,k] · y_slot[slot_of[t,k]]
+    let combine = CombineParams {
+        h: h.0,
+        y_slot: s.y_slot.0,
+        slot_of: s.slot_of.0,
+        weights: s.weights.0,
+        t: t as i32,
+        a: a as i32,
+        d: d as i32,
+        pad: 0,
+    };
+    out.push(Launch::new(
+        gpu,
+        "prefill_moe_combine",
+        (t as u32, 1, 1),
+        256,
+        0,
+        &combine,
+    )?);
+    Ok(out)
+}
+
+/// `h += down(silu(gate x̂)·up x̂)` for T tokens (dense MLP). `act` holds planes `[T, I]`.
+pub fn prefill_mlp(
+    gpu: &Gpu,
+    w: &DevMlp,
+    xn: Planes,
+    h: DPtr,
+    t: usize,
+    act: Planes,
+    precision: Option<Precision>,
+) -> Result<Vec<Launch>> {
+    let prec = precision.unwrap_or_else(|| Precision::for_format(w.gate_up.format));
+    let i = w.gate_up.rows / 2;
+    let d = w.down.rows;
+    Ok(vec![
+        gemm::gemm(
+            gpu,
+            &Gemm {
+                a: xn.for_precision(prec),
+                gather: None,
+                m: t,
+                w: &w.gate_up,
+                n: 2 * i,
+                swiglu: true,
+                out: GemmOut::Planes(act),
+                row_scale: None,
+                precision: prec,
+                grouped: None,
+            },
+        )?,
+        gemm::gemm(
+            gpu,
+            &Gemm {
+                a: act.for_precision(prec),
+                gather: None,
+                m: t,
+                w: &w.down,
+                n: d,
+                swiglu: false,
+                out: GemmOut::F32 {
+                    ptr: h,
+                    ld: d,
+                    accumulate: true,
+                },
+                row_scale: None,
+                precision: prec,
+                grouped: None,
+            },
+        )?,
+    ])
+}

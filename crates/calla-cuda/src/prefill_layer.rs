@@ -1,0 +1,419 @@
+//! The prompt path, layer by layer: T tokens at positions p0..p0+T through one decoder layer, with
+//! the batched kernels (gemm.cu, deltanet_prefill.cu, attention_prefill.cu, moe_prefill.cu), reading
+//! and advancing the same per-sequence state as the decode step (forward::StateLayout):
+//!
+//!   x̂ = rmsnorm₀(h)·(1 + input_layernorm)                              → bf16 planes
+//!   DeltaNet:  qkv, z, b, a = x̂·Wᵀ → conv/chunked rule/gated norm → h += out_proj
+//!   attention: q+gate, k, v = x̂·Wᵀ → norm/RoPE/cache append/flash → h += o_proj
+//!   x̂ = rmsnorm₀(h)·(1 + post_attention_layernorm)
+//!   MoE: h += routed experts + gated shared expert  |  dense MLP: h += mlp(x̂)
+//!
+//! Entry points: [`PrefillScratch::new`] once (sized for the longest prompt chunk), then per chunk
+//! [`prefill_embed`] and [`prefill_layer`] for every layer, in order, on one stream. Every function
+//! returns launches (run them in order, or capture them); nothing is read back.
+//!
+//! Legend: T tokens of this chunk, D hidden, C conv channels, Hq/Hkv/Dh attention, Hk/Hv/Dk/Dv
+//! DeltaNet, E/A/I/Is MoE.
+
+use anyhow::{bail, ensure, Result};
+use calla_model::ModelSpec;
+
+use crate::attention::KvDtype;
+use crate::attention_prefill::{self, AttentionPrefillIo};
+use crate::deltanet_prefill::{self, DeltaNetPrefillIo};
+use crate::gemm::{self, Gemm, GemmOut, Planes, Precision};
+use crate::gpu::{DPtr, Gpu, Launch};
+use crate::moe_prefill::{self, MoePrefillScratch};
+use crate::pool::Arena;
+use crate::weights::{DevFfn, DevLayer, DevMatrix, DevMixer, DevModel};
+
+/// This layer's state inside a sequence (absolute addresses: state base + StateLayout offsets).
+#[derive(Debug, Clone, Copy)]
+pub enum LayerState {
+    /// conv ring `[K, C]` and S `[Hv, Dv, Dk]`, f32
+    DeltaNet { conv_ring: DPtr, state: DPtr },
+    /// K and V caches `[Hkv, max_ctx, Dh]`
+    Attention {
+        k_cache: DPtr,
+        v_cache: DPtr,
+        max_ctx: usize,
+        kv: KvDtype,
+    },
+}
+
+/// Options of the prompt path.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PrefillOptions {
+    /// Precision of every weight product; None: by each matrix's format (f32/f16 split, bf16 and
+    /// quantised fast). The MoE router always runs split.
+    pub precision: Option<Precision>,
+}
+
+/// Activation scratch of the prompt path, sized for `max_tokens` per call.
+pub struct PrefillScratch {
+    pub max_tokens: usize,
+    /// i32 `[T]`: the chunk's token ids (filled by the caller)
+    pub tokens: DPtr,
+    /// planes `[T, D]`: the normalised layer input
+    pub xn: Planes,
+    pub dn_qkv: DPtr,
+    pub dn_z: DPtr,
+    pub dn_b: DPtr,
+    pub dn_a: DPtr,
+    pub dn_conv_out: DPtr,
+    pub dn_w: DPtr,
+    pub dn_u: DPtr,
+    pub dn_aqk: DPtr,
+    pub dn_gcum: DPtr,
+    pub dn_o: DPtr,
+    pub dn_y: Planes,
+    pub at_qg: DPtr,
+    pub at_k: DPtr,
+    pub at_v: DPtr,
+    pub at_q: Planes,
+    pub at_y: Planes,
+    pub moe: Option<MoePrefillScratch>,
+    pub mlp_act: Option<Planes>,
+    /// device bytes reserved
+    pub bytes: usize,
+}
+
+impl PrefillScratch {
+    pub fn new(arena: &mut Arena, spec: &ModelSpec, max_tokens: usize) -> Result<PrefillScratch> {
+        ensure!(max_tokens > 0, "prefill scratch for 0 tokens");
+        let before = arena.used;
+        let t = max_tokens;
+        let d = spec.hidden_size;
+        let (hq, dh) = (spec.num_attention_heads, spec.head_dim);
+        let mut f32s = |n: usize| arena.alloc_zeroed(n.max(1) * 4);
+        let dn = deltanet_prefill::scratch_sizes(spec, t);
+        let (dn_qkv, dn_z, dn_b, dn_a) = (
+            f32s(t * spec.linear_conv_dim())?,
+            f32s(t * spec.linear_value_dim())?,
+            f32s(t * spec.linear_num_value_heads)?,
+            f32s(t * spec.linear_num_value_heads)?,
+        );
+        let (dn_conv_out, dn_w, dn_u, dn_aqk, dn_gcum, dn_o) = (
+            f32s(dn.conv_out)?,
+            f32s(dn.w)?,
+            f32s(dn.u)?,
+            f32s(dn.aqk)?,
+            f32s(dn.gcum)?,
+            f32s(dn.o)?,
+        );
+        let (at_qg, at_k, at_v) = (
+            f32s(t * spec.q_proj_rows())?,
+            f32s(t * spec.kv_dim())?,
+            f32s(t * spec.kv_dim())?,
+        );
+        let tokens = f32s(t)?;
+        // bf16 planes: u16 elements, allocated as half as many f32s (rounded up)
+        let mut planes = |n: usize, ld: usize| -> Result<Planes> {
+            Ok(Planes::new(
+                arena.alloc_zeroed(n * 2)?,
+                arena.alloc_zeroed(n * 2)?,
+                ld,
+            ))
+        };
+        let xn = planes(t * d, d)?;
+        let dn_y = planes(t * spec.linear_value_dim(), spec.linear_value_dim())?;
+        let at_q = planes(t * hq * dh, dh)?;
+        let at_y = planes(t * hq * dh, hq * dh)?;
+        let mlp_act = match &spec.feed_forward {
+            calla_model::FeedForwardSpec::Dense { intermediate } => {
+                Some(planes(t * intermediate, *intermediate)?)
+            }
+            _ => None,
+        };
+        let moe = match moe_prefill::moe_dims(spec) {
+            Some((e, a, i, is, _)) => {
+                let slots = t * a;
+                let tiles = moe_prefill::max_tiles(t, e, a);
+                let act = planes(slots * i, i)?;
+                let shared_act = planes(t * is.max(1), is.max(1))?;
+                let mut f32s = |n: usize| arena.alloc_zeroed(n.max(1) * 4);
+                Some(MoePrefillScratch {
+                    logits: f32s(t * e)?,
+                    ids: f32s(slots)?,
+                    weights: f32s(slots)?,
+                    shared_w: f32s(t)?,
+                    counts: f32s(e)?,
+                    offsets: f32s(e + 1)?,
+                    cursor: f32s(e)?,
+                    tile_map: f32s(4 * tiles)?,
+                    tile_count: f32s(1)?,
+                    sorted_token: f32s(slots)?,
+                    slot_of: f32s(slots)?,
+                    act,
+                    y_slot: f32s(slots * d)?,
+                    shared_act,
+                })
+            }
+            None => None,
+        };
+        Ok(PrefillScratch {
+            max_tokens,
+            tokens,
+            xn,
+            dn_qkv,
+            dn_z,
+            dn_b,
+            dn_a,
+            dn_conv_out,
+            dn_w,
+            dn_u,
+            dn_aqk,
+            dn_gcum,
+            dn_o,
+            dn_y,
+            at_qg,
+            at_k,
+            at_v,
+            at_q,
+            at_y,
+            moe,
+            mlp_act,
+            bytes: arena.used - before,
+        })
+    }
+}
+
+/// `out (+)= x̂·Wᵀ` with the precision the options (or the matrix format) call for.
+fn project(
+    gpu: &Gpu,
+    xn: Planes,
+    t: usize,
+    w: &DevMatrix,
+    out: DPtr,
+    accumulate: bool,
+    opts: &PrefillOptions,
+) -> Result<Launch> {
+    let precision = opts
+        .precision
+        .unwrap_or_else(|| Precision::for_format(w.format));
+    gemm::gemm(
+        gpu,
+        &Gemm {
+            a: xn.for_precision(precision),
+            gather: None,
+            m: t,
+            w,
+            n: w.rows,
+            swiglu: false,
+            out: GemmOut::F32 {
+                ptr: out,
+                ld: w.rows,
+                accumulate,
+            },
+            row_scale: None,
+            precision,
+            grouped: None,
+        },
+    )
+}
+
+/// `h[t] = embed_tokens[tokens[t]]` for the chunk (tokens already in `s.tokens`).
+pub fn prefill_embed(
+    gpu: &Gpu,
+    model: &DevModel,
+    s: &PrefillScratch,
+    t: usize,
+    h: DPtr,
+) -> Result<Launch> {
+    ensure!(
+        t <= s.max_tokens,
+        "prefill: {t} tokens exceed the scratch's {}",
+        s.max_tokens
+    );
+    gemm::embed_rows(gpu, &model.embed, s.tokens, t, h)
+}
+
+/// One decoder layer over the chunk: `h` `[T, D]` f32 is updated in place; the layer's state
+/// advances from position `p0` to `p0 + t`. = [`prefill_mixer`] + [`prefill_ffn`].
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_layer(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    layer: usize,
+    state: LayerState,
+    s: &PrefillScratch,
+    h: DPtr,
+    p0: usize,
+    t: usize,
+    opts: &PrefillOptions,
+) -> Result<Vec<Launch>> {
+    let mut out = prefill_mixer(gpu, spec, model, layer, state, s, h, p0, t, opts)?;
+    out.extend(prefill_ffn(gpu, spec, model, layer, s, h, t, opts)?);
+    Ok(out)
+}
+
+fn layer_of<'m>(
+    model: &'m DevModel,
+    layer: usize,
+    s: &PrefillScratch,
+    t: usize,
+) -> Result<&'m DevLayer> {
+    ensure!(
+        t > 0 && t <= s.max_tokens,
+        "prefill: {t} tokens (scratch holds {})",
+        s.max_tokens
+    );
+    model
+        .layers
+        .get(layer)
+        .ok_or_else(|| anyhow::anyhow!("prefill: layer {layer} of {}", model.layers.len()))
+}
+
+/// `h += mixer(rmsnorm₀(h)·(1 + input_layernorm))` (DeltaNet or attention), advancing the state.
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_mixer(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    layer: usize,
+    state: LayerState,
+    s: &PrefillScratch,
+    h: DPtr,
+    p0: usize,
+    t: usize,
+    opts: &PrefillOptions,
+) -> Result<Vec<Launch>> {
+    let l = layer_of(model, layer, s, t)?;
+    let d = spec.hidden_size;
+    let mut out = vec![gemm::rmsnorm_planes(
+        gpu,
+        h,
+        Some(l.input_gain),
+        spec.rms_norm_eps,
+        t,
+        d,
+        s.xn,
+    )?];
+    match (&l.mixer, state) {
+        (DevMixer::DeltaNet(w), LayerState::DeltaNet { conv_ring, state }) => {
+            for (m, dst) in w.in_proj.iter().zip([s.dn_qkv, s.dn_z, s.dn_b, s.dn_a]) {
+                out.push(project(gpu, s.xn, t, m, dst, false, opts)?);
+            }
+            out.extend(deltanet_prefill::prefill_core(
+                gpu,
+                spec,
+                p0,
+                t,
+                &DeltaNetPrefillIo {
+                    qkv: s.dn_qkv,
+                    z: s.dn_z,
+                    b: s.dn_b,
+                    a: s.dn_a,
+                    conv_w: w.conv_w,
+                    a_log: w.a_log,
+                    dt_bias: w.dt_bias,
+                    norm_w: w.norm_w,
+                    conv_ring,
+                    state,
+                    conv_out: s.dn_conv_out,
+                    w: s.dn_w,
+                    u: s.dn_u,
+                    aqk: s.dn_aqk,
+                    gcum: s.dn_gcum,
+                    o: s.dn_o,
+                    y: s.dn_y,
+                },
+            )?);
+            out.push(project(gpu, s.dn_y, t, &w.out_proj, h, true, opts)?);
+        }
+        (
+            DevMixer::Attention(w),
+            LayerState::Attention {
+                k_cache,
+                v_cache,
+                max_ctx,
+                kv,
+            },
+        ) => {
+            for (m, dst) in w.in_proj.iter().zip([s.at_qg, s.at_k, s.at_v]) {
+                out.push(project(gpu, s.xn, t, m, dst, false, opts)?);
+            }
+            out.extend(attention_prefill::prefill_core(
+                gpu,
+                spec,
+                p0,
+                t,
+                &AttentionPrefillIo {
+                    qg: s.at_qg,
+                    k: s.at_k,
+                    v: s.at_v,
+                    q_gain: w.q_gain,
+                    k_gain: w.k_gain,
+                    inv_freq: model.inv_freq,
+                    k_cache,
+                    v_cache,
+                    max_ctx,
+                    kv,
+                    q: s.at_q,
+                    y: s.at_y,
+                },
+            )?);
+            out.push(project(gpu, s.at_y, t, &w.o_proj, h, true, opts)?);
+        }
+        _ => bail!("prefill: layer {layer}'s state does not match its kind"),
+    }
+    Ok(out)
+}
+
+/// `h += ffn(rmsnorm₀(h)·(1 + post_attention_layernorm))` (MoE or dense MLP).
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_ffn(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    layer: usize,
+    s: &PrefillScratch,
+    h: DPtr,
+    t: usize,
+    opts: &PrefillOptions,
+) -> Result<Vec<Launch>> {
+    let l = layer_of(model, layer, s, t)?;
+    let mut out = vec![gemm::rmsnorm_planes(
+        gpu,
+        h,
+        Some(l.post_gain),
+        spec.rms_norm_eps,
+        t,
+        spec.hidden_size,
+        s.xn,
+    )?];
+    match &l.ffn {
+        DevFfn::Moe(m) => {
+            let ms = s
+                .moe
+                .as_ref()
+                .ok_or_else(|| anyhow::anyhow!("prefill: no MoE scratch for a MoE layer"))?;
+            out.extend(moe_prefill::prefill_moe(
+                gpu,
+                spec,
+                m,
+                s.xn,
+                h,
+                t,
+                ms,
+                opts.precision,
+            )?);
+        }
+        DevFfn::Dense(m) => {
+            let act = s
+                .mlp_act
+                .ok_or_else(|| anyhow::anyhow!("prefill: no MLP scratch for a dense layer"))?;
+            out.extend(moe_prefill::prefill_mlp(
+                gpu,
+                m,
+                s.xn,
+                h,
+                t,
+                act,
+                opts.precision,
+            )?);
+        }
+    }
+    Ok(out)
+}
