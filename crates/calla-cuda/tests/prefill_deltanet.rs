@@ -1,0 +1,199 @@
+//! The DeltaNet prompt path (norm → projections → conv/chunked rule/gated norm → out_proj, through
+//! `prefill_mixer`) against calla_cpu's `DeltaNet::forward` (Rule::Chunked), at the fixture dims and
+//! the real dims, from an empty state and from a random carried state at an odd position; checks
+//! the output, the recurrent state (decode layout `[Hv, Dv, Dk]`) and the conv ring.
+
+mod prefill_support;
+
+use calla_cpu::deltanet::{DeltaNet, DeltaNetState, Rule};
+use calla_cpu::random::{tiny_spec, Rng};
+use calla_cuda::gemm::Precision;
+use calla_cuda::pool::Arena;
+use calla_cuda::prefill_layer::{prefill_mixer, LayerState, PrefillOptions, PrefillScratch};
+use calla_cuda::weights::upload_model;
+use calla_model::{Family, FeedForwardSpec, LayerKind, MixerWeights, ModelSpec};
+use prefill_support::*;
+
+fn mixer_spec(base: &ModelSpec) -> ModelSpec {
+    let mut s = layers_spec(base, &[LayerKind::DeltaNet]);
+    s.feed_forward = FeedForwardSpec::Dense { intermediate: 128 }; // not exercised here
+    s
+}
+
+/// (label, spec, weight format, precision, tolerance (atol·rms, rtol) for outputs and state, cases (T, p0))
+fn run_case(
+    label: &str,
+    spec: &ModelSpec,
+    fmt: WFmt,
+    precision: Option<Precision>,
+    tol: (f32, f32),
+    cases: &[(usize, usize)],
+) -> bool {
+    let Some(gpu) = gpu() else { return true };
+    let weights = random_weights(spec, fmt, 0.5, 21);
+    let mut warena = Arena::new(&gpu, 256 << 20);
+    let model = upload_model(&gpu, &mut warena, spec, &weights, None).unwrap();
+    let MixerWeights::DeltaNet(dw) = &weights.layers[0].mixer else {
+        unreachable!()
+    };
+    let cpu = DeltaNet::new(spec, dw, 0).unwrap();
+    let (d, c, k) = (
+        spec.hidden_size,
+        spec.linear_conv_dim(),
+        spec.linear_conv_kernel_dim,
+    );
+    let (hv, dk, dv) = (
+        spec.linear_num_value_heads,
+        spec.linear_key_head_dim,
+        spec.linear_value_head_dim,
+    );
+    let mut rng = Rng::new(5);
+    let mut ok = true;
+    for &(t, p0) in cases {
+        let mut arena = Arena::new(&gpu, 64 << 20);
+        let h_in = rng.normal_vec(t * d, 1.0);
+        // the carried state: zeros at position 0, random otherwise
+        let mut st = DeltaNetState::new(spec);
+        if p0 > 0 {
+            st.conv = rng.normal_vec(st.conv.len(), 1.0);
+            st.recurrent = rng.normal_vec(st.recurrent.len(), 0.05);
+        }
+        let mut ring = vec![0f32; k * c];
+        for i in 0..k - 1 {
+            let pos = p0 as i64 - (k as i64 - 1) + i as i64; // CPU conv row i is position p0−K+1+i
+            if pos >= 0 || p0 > 0 {
+                let slot = pos.rem_euclid(k as i64) as usize;
+                ring[slot * c..(slot + 1) * c].copy_from_slice(&st.conv[i * c..(i + 1) * c]);
+            }
+        }
+        let s_gpu = transpose_state(&st.recurrent, hv, dk, dv);
+
+        let mut xn = vec![0f32; t * d];
+        calla_cpu::norm::rms_norm_zero_centred_into(
+            &h_in,
+            &weights.layers[0].input_layernorm,
+            spec.rms_norm_eps,
+            &mut xn,
+        );
+        let mut want = vec![0f32; t * d];
+        let mut cpu_state = st.clone();
+        cpu.forward(&xn, t, &mut cpu_state, Rule::Chunked, &mut want);
+
+        let scratch = PrefillScratch::new(&mut arena, spec, t).unwrap();
+        let ring_d = upload_f32(&mut arena, &ring);
+        let s_d = upload_f32(&mut arena, &s_gpu);
+        let h = upload_f32(&mut arena, &h_in);
+        let launches = prefill_mixer(
+            &gpu,
+            spec,
+            &model,
+            0,
+            LayerState::DeltaNet {
+                conv_ring: ring_d,
+                state: s_d,
+            },
+            &scratch,
+            h,
+            p0,
+            t,
+            &PrefillOptions { precision },
+        )
+        .unwrap();
+        run(&gpu, &launches);
+        let got: Vec<f32> = download_f32(&gpu, h, t * d)
+            .iter()
+            .zip(&h_in)
+            .map(|(a, b)| a - b)
+            .collect();
+        ok &= check(
+            &format!("{label} T={t} p0={p0} deltanet_out"),
+            &got,
+            &want,
+            tol.0,
+            tol.1,
+        );
+        let s_got = download_f32(&gpu, s_d, s_gpu.len());
+        ok &= check(
+            &format!("{label} T={t} p0={p0} state S"),
+            &s_got,
+            &transpose_state(&cpu_state.recurrent, hv, dk, dv),
+            tol.0,
+            tol.1,
+        );
+        let ring_got = download_f32(&gpu, ring_d, ring.len());
+        let p_end = (p0 + t) as i64;
+        let mut ring_rows = Vec::new();
+        for i in 0..k - 1 {
+            let pos = p_end - (k as i64 - 1) + i as i64;
+            let slot = pos.rem_euclid(k as i64) as usize;
+            ring_rows.extend_from_slice(&ring_got[slot * c..(slot + 1) * c]);
+        }
+        ok &= check(
+            &format!("{label} T={t} p0={p0} conv ring"),
+            &ring_rows,
+            &cpu_state.conv,
+            0.0,
+            1e-6,
+        );
+    }
+    ok
+}
+
+/// `[Hv, Dk, Dv]` (CPU) ↔ `[Hv, Dv, Dk]` (GPU, decode layout); the map is its own inverse in shape.
+fn transpose_state(s: &[f32], hv: usize, a: usize, b: usize) -> Vec<f32> {
+    let mut out = vec![0f32; s.len()];
+    for h in 0..hv {
+        for i in 0..a {
+            for j in 0..b {
+                out[(h * b + j) * a + i] = s[(h * a + i) * b + j];
+            }
+        }
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn fixture_dims_f32_and_q4() {
+    let spec = mixer_spec(&tiny_spec(Family::Qwen35Moe, 1));
+    let mut cases: Vec<(usize, usize)> = TOKEN_COUNTS.iter().map(|t| (*t, 0)).collect();
+    cases.extend([(1, 5), (7, 2), (150, 37), (64, 64)]);
+    let ok = run_case(
+        "tiny f32 (split)",
+        &spec,
+        WFmt::F32,
+        None,
+        (1e-3, 1e-3),
+        &cases,
+    ) & run_case(
+        "tiny q4 split",
+        &spec,
+        WFmt::Q4,
+        Some(Precision::Split),
+        (1e-3, 1e-3),
+        &cases[..6],
+    ) & run_case(
+        "tiny q4 fast",
+        &spec,
+        WFmt::Q4,
+        None,
+        (3e-2, 3e-2),
+        &cases[4..8],
+    );
+    assert!(ok, "DeltaNet prefill out of tolerance (see above)");
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn real_dims_q4() {
+    let spec = mixer_spec(&calla_model::synthetic::preset("qwen3.6-35b-a3b").unwrap());
+    let ok = run_case(
+        "real q4 fast",
+        &spec,
+        WFmt::Q4,
+        None,
+        (3e-2, 3e-2),
+        &[(65, 0), (1000, 0), (300, 77)],
+    );
+    assert!(ok, "DeltaNet prefill out of tolerance (see above)");
+}

@@ -1,0 +1,301 @@
+//! gemm.cu against the CPU reference: every weight format in both precisions at odd prompt sizes,
+//! the epilogues (accumulate, SwiGLU → planes, gather, per-row scale), the RMSNorm/embedding row
+//! kernels, and the real layer shapes. Run on a GPU: `cargo test --release -p calla-cuda --test
+//! prefill_gemm -- --ignored --nocapture` (scripts/gpu-prefill.sh).
+
+mod prefill_support;
+
+use calla_cpu::linear::Linear;
+use calla_cpu::random::Rng;
+use calla_cuda::gemm::{self, Gemm, GemmOut, Planes, Precision};
+use calla_cuda::pool::Arena;
+use prefill_support::*;
+
+/// Y = X·Wᵀ in f64 from the dequantised weights.
+fn reference(x: &[f32], t: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
+    let mut y = vec![0f32; t * n];
+    for i in 0..t {
+        for r in 0..n {
+            let mut acc = 0f64;
+            for c in 0..k {
+                acc += x[i * k + c] as f64 * w[r * k + c] as f64;
+            }
+            y[i * n + r] = acc as f32;
+        }
+    }
+    y
+}
+
+fn tolerance(p: Precision) -> (f32, f32) {
+    match p {
+        Precision::Fast => (1.5e-2, 1e-2),
+        Precision::Split => (1e-4, 1e-4),
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn every_format_and_precision_matches_the_reference_at_odd_sizes() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::new(7);
+    let (n, k) = (200, 192);
+    let mut ok = true;
+    for fmt in [WFmt::F32, WFmt::Bf16, WFmt::F16, WFmt::Q4, WFmt::Q8] {
+        let mut arena = Arena::new(&gpu, 64 << 20);
+        let m = matrix(&mut rng, n, k, 1.0 / (k as f32).sqrt(), fmt);
+        let w_ref = m.to_f32();
+        let dev = upload_matrix(&gpu, &mut arena, "w", &m);
+        for t in TOKEN_COUNTS {
+            let x = rng.normal_vec(t * k, 1.0);
+            let want = reference(&x, t, &w_ref, n, k);
+            let xd = upload_f32(&mut arena, &x);
+            let planes = alloc_planes(&mut arena, t * k, k);
+            // plain conversion (no gain) through the row kernel
+            run(
+                &gpu,
+                &[gemm::rmsnorm_planes(&gpu, xd, None, 0.0, t, k, planes).unwrap()],
+            );
+            for prec in [Precision::Fast, Precision::Split] {
+                let y = arena.alloc_zeroed(t * n * 4).unwrap();
+                let g = Gemm {
+                    a: planes.for_precision(prec),
+                    gather: None,
+                    m: t,
+                    w: &dev,
+                    n,
+                    swiglu: false,
+                    out: GemmOut::F32 {
+                        ptr: y,
+                        ld: n,
+                        accumulate: false,
+                    },
+                    row_scale: None,
+                    precision: prec,
+                    grouped: None,
+                };
+                run(&gpu, &[gemm::gemm(&gpu, &g).unwrap()]);
+                let got = download_f32(&gpu, y, t * n);
+                let (a, r) = tolerance(prec);
+                ok &= check(
+                    &format!("{fmt:?} {prec:?} T={t} [{n}x{k}]"),
+                    &got,
+                    &want,
+                    a,
+                    r,
+                );
+            }
+        }
+    }
+    assert!(ok, "some GEMMs are out of tolerance (see above)");
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn epilogues_accumulate_swiglu_gather_and_row_scale() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::new(8);
+    let mut ok = true;
+    let (k, i) = (128, 96); // gate/up: 2I rows
+    for fmt in [WFmt::F32, WFmt::Q4] {
+        let mut arena = Arena::new(&gpu, 64 << 20);
+        let m = matrix(&mut rng, 2 * i, k, 1.0 / (k as f32).sqrt(), fmt);
+        let w_ref = m.to_f32();
+        let dev = upload_matrix(&gpu, &mut arena, "gate_up", &m);
+        for t in [1usize, 65, 150] {
+            let rows_src = t + 9; // gather from a larger table
+            let x = rng.normal_vec(rows_src * k, 1.0);
+            let gather: Vec<i32> = (0..t).map(|_| rng.below(rows_src) as i32).collect();
+            let scale: Vec<f32> = (0..t).map(|_| rng.range(0.1, 1.0)).collect();
+            let xg: Vec<f32> = gather
+                .iter()
+                .flat_map(|r| x[*r as usize * k..(*r as usize + 1) * k].to_vec())
+                .collect();
+            let full = reference(&xg, t, &w_ref, 2 * i, k);
+            // SwiGLU: out[t, j] = silu(gate_j)·up_j · scale[t]
+            let want: Vec<f32> = (0..t * i)
+                .map(|idx| {
+                    let (tt, j) = (idx / i, idx % i);
+                    let (g, u) = (full[tt * 2 * i + j], full[tt * 2 * i + i + j]);
+                    g / (1.0 + (-g).exp()) * u * scale[tt]
+                })
+                .collect();
+            let xd = upload_f32(&mut arena, &x);
+            let planes = alloc_planes(&mut arena, rows_src * k, k);
+            run(
+                &gpu,
+                &[gemm::rmsnorm_planes(&gpu, xd, None, 0.0, rows_src, k, planes).unwrap()],
+            );
+            let gd = arena.upload(&gather).unwrap();
+            let sd = upload_f32(&mut arena, &scale);
+            for prec in [Precision::Fast, Precision::Split] {
+                let out = alloc_planes(&mut arena, t * i, i);
+                let g = Gemm {
+                    a: planes.for_precision(prec),
+                    gather: Some(gd),
+                    m: t,
+                    w: &dev,
+                    n: 2 * i,
+                    swiglu: true,
+                    out: GemmOut::Planes(out),
+                    row_scale: Some(sd),
+                    precision: prec,
+                    grouped: None,
+                };
+                run(&gpu, &[gemm::gemm(&gpu, &g).unwrap()]);
+                let got = download_planes(&gpu, out, t * i);
+                let (a, r) = tolerance(prec);
+                ok &= check(
+                    &format!("swiglu+gather+scale {fmt:?} {prec:?} T={t}"),
+                    &got,
+                    &want,
+                    a,
+                    r,
+                );
+
+                // accumulate: y = y0 + X·Wᵀ (the plain rows, no gather)
+                let y0 = rng.normal_vec(t * 2 * i, 1.0);
+                let y = upload_f32(&mut arena, &y0);
+                let g = Gemm {
+                    a: planes.for_precision(prec),
+                    gather: None,
+                    m: t,
+                    w: &dev,
+                    n: 2 * i,
+                    swiglu: false,
+                    out: GemmOut::F32 {
+                        ptr: y,
+                        ld: 2 * i,
+                        accumulate: true,
+                    },
+                    row_scale: None,
+                    precision: prec,
+                    grouped: None,
+                };
+                run(&gpu, &[gemm::gemm(&gpu, &g).unwrap()]);
+                let plain = reference(&x[..t * k], t, &w_ref, 2 * i, k);
+                let want_acc: Vec<f32> = y0.iter().zip(&plain).map(|(a, b)| a + b).collect();
+                let got = download_f32(&gpu, y, t * 2 * i);
+                ok &= check(
+                    &format!("accumulate {fmt:?} {prec:?} T={t}"),
+                    &got,
+                    &want_acc,
+                    a,
+                    r,
+                );
+            }
+        }
+    }
+    assert!(ok, "some epilogues are out of tolerance (see above)");
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn rmsnorm_planes_and_embedding_rows() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::new(9);
+    let mut arena = Arena::new(&gpu, 64 << 20);
+    let (t, d) = (150, 2048);
+    let x = rng.normal_vec(t * d, 2.0);
+    let w = rng.normal_vec(d, 0.1);
+    let gain: Vec<f32> = w.iter().map(|v| 1.0 + v).collect();
+    let mut want = vec![0f32; t * d];
+    calla_cpu::norm::rms_norm_zero_centred_into(&x, &w, 1e-6, &mut want);
+    let xd = upload_f32(&mut arena, &x);
+    let gd = upload_f32(&mut arena, &gain);
+    let planes = alloc_planes(&mut arena, t * d, d);
+    run(
+        &gpu,
+        &[gemm::rmsnorm_planes(&gpu, xd, Some(gd), 1e-6, t, d, planes).unwrap()],
+    );
+    let got = download_planes(&gpu, planes, t * d);
+    let mut ok = check("rmsnorm → planes (hi+lo)", &got, &want, 1e-5, 1e-5);
+    let hi_only = download_planes(
+        &gpu,
+        Planes {
+            lo: calla_cuda::gpu::DPtr::NULL,
+            ..planes
+        },
+        t * d,
+    );
+    ok &= check("rmsnorm → hi plane (bf16)", &hi_only, &want, 0.0, 8e-3);
+
+    for fmt in [WFmt::F32, WFmt::Bf16, WFmt::Q4, WFmt::Q8] {
+        let (v, d) = (300, 256);
+        let table = matrix(&mut rng, v, d, 1.0, fmt);
+        let dev = upload_matrix(&gpu, &mut arena, "embed", &table);
+        let tokens: Vec<i32> = (0..77).map(|_| rng.below(v) as i32).collect();
+        let td = arena.upload(&tokens).unwrap();
+        let h = arena.alloc_zeroed(tokens.len() * d * 4).unwrap();
+        run(
+            &gpu,
+            &[gemm::embed_rows(&gpu, &dev, td, tokens.len(), h).unwrap()],
+        );
+        let got = download_f32(&gpu, h, tokens.len() * d);
+        let lin = Linear::new("embed", &table, v, d).unwrap();
+        let mut want = vec![0f32; tokens.len() * d];
+        for (row, tok) in want.chunks_exact_mut(d).zip(&tokens) {
+            lin.decode_row(*tok as usize, row);
+        }
+        ok &= check(&format!("embed rows {fmt:?}"), &got, &want, 1e-6, 1e-6);
+    }
+    assert!(ok);
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn real_layer_shapes_q4_and_bf16() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng::new(10);
+    let mut ok = true;
+    // (name, N, K, format, T): in_proj_qkv, out_proj, shared gate_up, o_proj in bf16
+    for (name, n, k, fmt, t) in [
+        ("in_proj_qkv q4", 8192, 2048, WFmt::Q4, 150),
+        ("out_proj q4", 2048, 4096, WFmt::Q4, 65),
+        ("shared gate_up q4", 1024, 2048, WFmt::Q4, 1000),
+        ("o_proj bf16", 2048, 4096, WFmt::Bf16, 63),
+    ] {
+        let mut arena = Arena::new(&gpu, 256 << 20);
+        let m = matrix(&mut rng, n, k, 1.0 / (k as f32).sqrt(), fmt);
+        let lin = Linear::new(name, &m, n, k).unwrap();
+        let dev = upload_matrix(&gpu, &mut arena, name, &m);
+        let x = rng.normal_vec(t * k, 1.0);
+        let mut want = vec![0f32; t * n];
+        lin.matmul(&x, t, &mut want);
+        let xd = upload_f32(&mut arena, &x);
+        let planes = alloc_planes(&mut arena, t * k, k);
+        run(
+            &gpu,
+            &[gemm::rmsnorm_planes(&gpu, xd, None, 0.0, t, k, planes).unwrap()],
+        );
+        for prec in [Precision::Fast, Precision::Split] {
+            let y = arena.alloc_zeroed(t * n * 4).unwrap();
+            let g = Gemm {
+                a: planes.for_precision(prec),
+                gather: None,
+                m: t,
+                w: &dev,
+                n,
+                swiglu: false,
+                out: GemmOut::F32 {
+                    ptr: y,
+                    ld: n,
+                    accumulate: false,
+                },
+                row_scale: None,
+                precision: prec,
+                grouped: None,
+            };
+            run(&gpu, &[gemm::gemm(&gpu, &g).unwrap()]);
+            let got = download_f32(&gpu, y, t * n);
+            let (a, r) = tolerance(prec);
+            ok &= check(
+                &format!("{name} {prec:?} T={t} [{n}x{k}]"),
+                &got,
+                &want,
+                a,
+                r,
+            );
+        }
+    }
+    assert!(ok);
+}

@@ -1,0 +1,119 @@
+//! The public prompt entry points end to end: `prefill_embed` + `prefill_layer` over every layer of
+//! a 4-layer model (DN, DN, DN, attention; MoE), in two chunks (the second continues the first's
+//! state at p0 = T1), in the engine's own state layout (forward::StateLayout). Compared after every
+//! layer with the CPU model's `l_out` trace.
+
+mod prefill_support;
+
+use std::collections::HashMap;
+
+use calla_cpu::random::{tiny_spec, Rng};
+use calla_cpu::{Logits, Model};
+use calla_cuda::forward::StateLayout;
+use calla_cuda::pool::Arena;
+use calla_cuda::prefill_layer::{
+    prefill_embed, prefill_layer, LayerState, PrefillOptions, PrefillScratch,
+};
+use calla_cuda::weights::upload_model;
+use calla_cuda::KvDtype;
+use calla_model::{Family, LayerKind};
+use prefill_support::*;
+
+fn run_case(label: &str, fmt: WFmt, kv: KvDtype, tol: (f32, f32)) -> bool {
+    let Some(gpu) = gpu() else { return true };
+    let spec = tiny_spec(Family::Qwen35Moe, 1);
+    let weights = random_weights(&spec, fmt, 0.5, 51);
+    let cpu = Model::new(spec.clone(), &weights).unwrap();
+    let mut warena = Arena::new(&gpu, 256 << 20);
+    let model = upload_model(&gpu, &mut warena, &spec, &weights, None).unwrap();
+    let d = spec.hidden_size;
+    let mut rng = Rng::new(8);
+    let chunks = [100usize, 37];
+    let max_ctx = 256;
+    let layout = StateLayout::new(&spec, max_ctx, kv);
+    let mut arena = Arena::new(&gpu, 64 << 20);
+    let state = arena.alloc_zeroed(layout.bytes).unwrap();
+    let scratch = PrefillScratch::new(&mut arena, &spec, 128).unwrap();
+    let h = arena.alloc_zeroed(128 * d * 4).unwrap();
+    let mut seq = cpu.new_sequence();
+    let mut ok = true;
+    let mut p0 = 0;
+    for (ci, &t) in chunks.iter().enumerate() {
+        let tokens: Vec<u32> = (0..t).map(|_| rng.below(spec.vocab_size) as u32).collect();
+        let mut trace: HashMap<(String, Option<usize>), Vec<f32>> = HashMap::new();
+        let mut hook = |name: &str, layer: Option<usize>, v: &[f32]| {
+            trace.insert((name.to_string(), layer), v.to_vec());
+        };
+        cpu.forward(&tokens, &mut seq, Logits::Skip, Some(&mut hook));
+
+        let ids: Vec<i32> = tokens.iter().map(|x| *x as i32).collect();
+        gpu.htod(scratch.tokens, &ids).unwrap();
+        run(
+            &gpu,
+            &[prefill_embed(&gpu, &model, &scratch, t, h).unwrap()],
+        );
+        ok &= check(
+            &format!("{label} chunk {ci} embed"),
+            &download_f32(&gpu, h, t * d),
+            &trace[&("embed".to_string(), None)],
+            0.0,
+            1e-6,
+        );
+        for (il, kind) in spec.layers.iter().enumerate() {
+            let (a, b) = layout.layers[il];
+            let st = match kind {
+                LayerKind::DeltaNet => LayerState::DeltaNet {
+                    conv_ring: state.offset(a),
+                    state: state.offset(b),
+                },
+                LayerKind::Attention => LayerState::Attention {
+                    k_cache: state.offset(a),
+                    v_cache: state.offset(b),
+                    max_ctx,
+                    kv,
+                },
+            };
+            let launches = prefill_layer(
+                &gpu,
+                &spec,
+                &model,
+                il,
+                st,
+                &scratch,
+                h,
+                p0,
+                t,
+                &PrefillOptions::default(),
+            )
+            .unwrap();
+            run(&gpu, &launches);
+            let want = &trace[&("l_out".to_string(), Some(il))];
+            ok &= check(
+                &format!("{label} chunk {ci} (p0={p0}, T={t}) layer {il} {kind:?} l_out"),
+                &download_f32(&gpu, h, t * d),
+                want,
+                tol.0,
+                tol.1,
+            );
+        }
+        p0 += t;
+    }
+    ok
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn four_layers_two_chunks_f32_and_q4() {
+    let ok = run_case(
+        "tiny f32 weights, f32 KV",
+        WFmt::F32,
+        KvDtype::F32,
+        (1e-3, 1e-3),
+    ) & run_case(
+        "tiny q4 weights (fast), bf16 KV",
+        WFmt::Q4,
+        KvDtype::Bf16,
+        (5e-2, 5e-2),
+    );
+    assert!(ok, "prefill layers out of tolerance (see above)");
+}
