@@ -9,7 +9,7 @@
 use serde_json::Value;
 
 /// The options of `json.dumps` that templates use.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct PyJsonOptions {
     pub ensure_ascii: bool,
     /// None: one line. Some(s): newline + s per nesting level (Python's `indent=n` is n spaces).
@@ -17,17 +17,6 @@ pub struct PyJsonOptions {
     /// (item separator, key separator); Python's default is (", ", ": "), or (",", ": ") with an indent.
     pub separators: Option<(String, String)>,
     pub sort_keys: bool,
-}
-
-impl Default for PyJsonOptions {
-    fn default() -> Self {
-        PyJsonOptions {
-            ensure_ascii: false,
-            indent: None,
-            separators: None,
-            sort_keys: false,
-        }
-    }
 }
 
 /// `json.dumps(value, ensure_ascii=False)`.
@@ -213,7 +202,8 @@ mod tests {
             (123456789.125, "123456789.125"),
             (1e300, "1e+300"),
             (-0.0, "-0.0"),
-            (3.141592653589793, "3.141592653589793"),
+            (std::f64::consts::PI, "3.141592653589793"),
+            (2.718281828459045e-300, "2.718281828459045e-300"),
         ];
         for (x, want) in cases {
             assert_eq!(python_float_repr(x), want, "repr({x})");

@@ -328,7 +328,10 @@ impl Reply for CompletionReply {
         self.log.observe(index, &event);
         match event {
             GenEvent::Started { cached_tokens } => {
-                self.usage.started(index % self.n == 0, cached_tokens);
+                // The first choice of each prompt (is_multiple_of is newer than the workspace's rust-version).
+                #[allow(clippy::manual_is_multiple_of)]
+                let first_of_prompt = index % self.n == 0;
+                self.usage.started(first_of_prompt, cached_tokens);
                 Flow::Chunks(Vec::new())
             }
             GenEvent::Text { text, logprob } => {

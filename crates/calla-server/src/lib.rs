@@ -10,6 +10,7 @@
 
 pub mod auth;
 pub mod chat;
+mod chat_reply;
 pub mod codec;
 pub mod completions;
 pub mod errors;

@@ -204,3 +204,22 @@ async fn streamed_and_seeded_sampling_match_the_plain_reply() {
         "another seed, another draw"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn logit_bias_and_stop_strings_reach_the_engine() {
+    let server = cpu_server(0).await;
+    let tokenizer = calla_model::tokenizer::Tokenizer::from_dir(&model_dir()).unwrap();
+    // +100 on one token makes it the only choice at every step
+    let body = json!({"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+                      "logit_bias": {"70": 100}});
+    let r = post(server.addr, "/v1/completions", &body).await.json();
+    assert_eq!(r["choices"][0]["text"], tokenizer.decode(&[70; 6], true));
+    // a stop string made of that token's text, twice: generation stops before it
+    let piece = tokenizer.decode(&[70], true);
+    let mut stopped = body.clone();
+    stopped["stop"] = json!(format!("{piece}{piece}"));
+    let r = post(server.addr, "/v1/completions", &stopped).await.json();
+    assert_eq!(r["choices"][0]["text"], "");
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    assert_eq!(r["usage"]["completion_tokens"], 2);
+}
