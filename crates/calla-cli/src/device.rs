@@ -20,7 +20,13 @@ pub fn open_backend(loaded: &LoadedModel, device: Device) -> Result<Box<dyn Back
             loaded.weights.clone(),
         )?)),
         Device::Cuda => {
-            anyhow::bail!("the CUDA backend is not available in this build yet; use --device cpu")
+            use std::io::IsTerminal;
+            let opts = calla_cuda::CudaOptions {
+                progress: std::io::stderr().is_terminal(),
+                ..Default::default()
+            };
+            let backend = calla_cuda::CudaBackend::new(&loaded.spec, &loaded.weights, &opts)?;
+            Ok(Box::new(backend))
         }
     }
 }

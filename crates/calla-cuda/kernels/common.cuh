@@ -220,6 +220,12 @@ template <> struct Fmt<FMT_Q8> {
     }
 };
 
+// Activations in shared memory are stored with one pad float after every 32 ("padded index"), so
+// the lanes of a warp — each reading the W consecutive values of its own unit — hit different banks.
+// A unit's values stay contiguous (units never straddle a 32-value boundary).
+__host__ __device__ __forceinline__ int xpad(int i) { return i + (i >> 5); }
+__host__ __device__ __forceinline__ int xpad_len(int n) { return n + (n >> 5) + 1; }
+
 // A matrix as kernels see it: codes/values and (for affine formats) interleaved group parameters.
 struct MatrixRef {
     u64 data;      // codes or values, row-major
@@ -240,7 +246,7 @@ __device__ __forceinline__ float2 load_group_params(const MatrixRef& m, i64 row,
     return r;
 }
 
-// Partial dot product of one row with x (length K, in shared memory), over the units lane, lane+width,
+// Partial dot product of one row with x (length K, in shared memory, padded: xpad), over the units lane, lane+width,
 // …; the caller reduces over its `width` lanes. `group_size` is the affine group size G.
 template <int FMT>
 __device__ __forceinline__ float row_dot_partial(const MatrixRef& m, i64 row, const float* x, int K,
@@ -258,7 +264,7 @@ __device__ __forceinline__ float row_dot_partial(const MatrixRef& m, i64 row, co
             scale = p.x;
             bias = p.y;
         }
-        acc += F::dot(w, x + u * F::W, scale, bias);
+        acc += F::dot(w, x + xpad(u * F::W), scale, bias);
     }
     return acc;
 }
@@ -270,20 +276,20 @@ __host__ __device__ __forceinline__ int lanes_per_row(int units) {
     return w;
 }
 
-// Load x [K] into shared memory, applying the zero-centred RMSNorm when `gain` (= 1 + w) is given:
+// Load x [K] into shared memory (padded layout, xpad), applying the zero-centred RMSNorm when `gain` (= 1 + w) is given:
 // x̂ = x · (1/√(mean(x²) + eps)) · gain (calla_cpu::norm::rms_norm_zero_centred). Ends with a barrier.
 __device__ __forceinline__ void load_input(const float* x, const float* gain, float eps, int K,
                                            float* xs, float* red) {
     float ss = 0.0f;
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
         const float v = x[i];
-        xs[i] = v;
+        xs[xpad(i)] = v;
         ss += v * v;
     }
     if (gain) {
         const float total = block_sum(ss, red);
         const float inv = 1.0f / sqrtf(total / (float)K + eps); // x̂ = x / √(mean(x²) + eps)
-        for (int i = threadIdx.x; i < K; i += blockDim.x) xs[i] = xs[i] * inv * gain[i];
+        for (int i = threadIdx.x; i < K; i += blockDim.x) xs[xpad(i)] = xs[xpad(i)] * inv * gain[i];
     }
     __syncthreads();
 }

@@ -6,7 +6,8 @@
 //   y_seg[r] (+)= Σ_c W_seg[r, c] · x̂[c]          for each of up to 4 segments (stacked projections
 //                                                  that share the input, each with its own output)
 // Shapes: x [K] f32; W_seg [rows_seg, K] in one format (common.cuh); y_seg [rows_seg] f32.
-// Launch: grid ≤ rows/(256/width) blocks (grid-stride over rows), block 256, dynamic smem K·4 bytes.
+// Launch: grid ≤ rows/(256/width) blocks (grid-stride over rows), block 256, dynamic smem
+//   xpad_len(K)·4 bytes (x in the padded layout of common.cuh).
 //   `width` = lanes per row = lanes_per_row(K / weights-per-unit): 32 for K ≥ 1024 in q4, so a warp
 //   reads one row as 16-byte loads, 512 contiguous bytes per instruction.
 // Bytes per call: Σ_seg rows·K·bits/8 (+ group params) of weights, K·4 of x per block (from L2).

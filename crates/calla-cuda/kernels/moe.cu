@@ -13,7 +13,7 @@
 //                ticket) does softmax + top-A in one warp and resets the ticket: no host round trip.
 // moe_gate_up_*: grid (⌈I/8⌉, slots), 256 threads; warp = one row j of one slot: gate_j and up_j dots,
 //                act[slot, j] = silu(gate_j)·up_j. Expert ids are read from the device top-A list.
-// moe_down_*:    grid ⌈D/8⌉, 256 threads; warp = one output row r: Σ over slots and units (flattened,
+// moe_down_*:    grid ⌈D/8⌉, 256 threads, smem slots·xpad_len(act_stride) floats; warp = one output row r: Σ over slots and units (flattened,
 //                so K = I = 512 still keeps 32 lanes busy), weighted per slot; h[r] += result.
 // Bytes per token (real shape, q4): router E·D·(8 bits) + 9·3·I·D·4.5 bits ≈ 15.9 MB per layer.
 
@@ -45,7 +45,7 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     float* logits = (float*)p.logits;
     if (blockIdx.x == 0)
-        for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[i];
+        for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
     const int row = blockIdx.x * nwarps + warp;
     if (row < p.E) {
         const float acc = warp_sum(row_dot_partial<FMT>(p.router, row, xs, p.D, lane, 32, p.group_size));
@@ -53,7 +53,7 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     } else if (row == p.E && p.shared_gate) {
         const float* sg = (const float*)p.shared_gate;
         float acc = 0.0f;
-        for (int i = lane; i < p.D; i += 32) acc = fmaf(sg[i], xs[i], acc);
+        for (int i = lane; i < p.D; i += 32) acc = fmaf(sg[i], xs[xpad(i)], acc);
         acc = warp_sum(acc);
         if (lane == 0) logits[row] = acc;
     }
@@ -154,10 +154,12 @@ struct DownParams {
 template <int FMT>
 __device__ __forceinline__ void down_body(const DownParams& p) {
     typedef Fmt<FMT> F;
-    extern __shared__ float acts[]; // [slots, act_stride] for slots [slot_begin, slot_end)
-    const int nslots = p.slot_end - p.slot_begin;
-    for (int i = threadIdx.x; i < nslots * p.act_stride; i += blockDim.x)
-        acts[i] = ((const float*)p.act)[(i64)p.slot_begin * p.act_stride + i];
+    extern __shared__ float acts[]; // [slots, xpad_len(act_stride)] for slots [slot_begin, slot_end)
+    const int nslots = p.slot_end - p.slot_begin, pitch = xpad_len(p.act_stride);
+    for (int i = threadIdx.x; i < nslots * p.act_stride; i += blockDim.x) {
+        const int s = i / p.act_stride, j = i - s * p.act_stride;
+        acts[s * pitch + xpad(j)] = ((const float*)p.act)[(i64)p.slot_begin * p.act_stride + i];
+    }
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     const int r = blockIdx.x * nwarps + warp;
@@ -185,7 +187,7 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
             scale = g.x;
             bias = g.y;
         }
-        acc = fmaf(w, F::dot(wq, acts + (slot - p.slot_begin) * p.act_stride + unit * F::W, scale, bias), acc);
+        acc = fmaf(w, F::dot(wq, acts + (slot - p.slot_begin) * pitch + xpad(unit * F::W), scale, bias), acc);
     }
     acc = warp_sum(acc);
     if (lane == 0) ((float*)p.h)[r] += acc;

@@ -393,7 +393,9 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
                         if (cum >= c.top_p) break;
                         cum += expf(k_vals[m2] - g_zmax) / g_ztotal;
                     }
-                    if (cum >= c.top_p || m2 == g_nfin) {
+                    if (m2 == 0) {
+                        s_mode = 3; // top_p ≤ 0 keeps nothing: the reference falls back to argmax
+                    } else if (cum >= c.top_p || m2 == g_nfin) {
                         // kept = ranked prefix of length m2: z > v_last, plus ties at v_last up to rank
                         const float vlast = k_vals[m2 - 1];
                         int before = 0;
@@ -419,8 +421,8 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
             __syncthreads();
             for (int it = 0; it < 40; ++it) {
                 const int lo_k = s_lo, hi_k = s_hi;
-                if (hi_k - lo_k <= 1) break;
-                const int mid = lo_k + (hi_k - lo_k) / 2;
+                if ((i64)hi_k - (i64)lo_k <= 1) break;
+                const int mid = (int)(((i64)lo_k + (i64)hi_k) >> 1);
                 const float v = mid < 0 ? __int_as_float((int)(0x80000000u - (u32)mid)) : __int_as_float(mid);
                 float mass = 0.0f;
                 for (int i = threadIdx.x; i < p.V; i += blockDim.x) {

@@ -104,10 +104,25 @@ impl Gpu {
         let total_memory = ctx.total_mem()?;
         let sm_count =
             ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        // Compile (or fetch from the cache) every module, in parallel: NVRTC programs are
+        // independent, and the big prompt-path modules take tens of seconds each.
+        let compiled: Vec<Result<nvrtc::Compiled>> = std::thread::scope(|s| {
+            let handles: Vec<_> = kernels::ALL
+                .iter()
+                .map(|k| s.spawn(|| nvrtc::compile(k, &arch, true)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("an NVRTC compile thread panicked")))
+                })
+                .collect()
+        });
         let mut modules = HashMap::new();
         let mut modules_report = Vec::new();
-        for k in kernels::ALL {
-            let c = nvrtc::compile(k, &arch, true)?;
+        for (k, c) in kernels::ALL.iter().zip(compiled) {
+            let c = c?;
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin.clone()))
                 .with_context(|| format!("loading the {} kernels (CUBIN for {arch})", k.name))?;

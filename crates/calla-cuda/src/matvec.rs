@@ -32,6 +32,11 @@ pub struct MatvecParams {
     pub total_rows: i32,
 }
 
+/// Floats of an activation vector of `n` in the padded shared-memory layout (common.cuh `xpad_len`).
+pub fn xpad_len(n: usize) -> usize {
+    n + n / 32 + 1
+}
+
 /// Lanes that share one row (common.cuh `lanes_per_row`).
 pub fn lanes_per_row(units: usize) -> usize {
     let mut w = 1;
@@ -109,7 +114,14 @@ fn matvec_one(
     let passes = total.div_ceil(rows_per_pass);
     let grid = passes.min(gpu.sm_count as usize * 8).max(1);
     let name = format!("matvec_{}", format.suffix());
-    Launch::new(gpu, &name, (grid as u32, 1, 1), THREADS, (k * 4) as u32, &p)
+    Launch::new(
+        gpu,
+        &name,
+        (grid as u32, 1, 1),
+        THREADS,
+        (xpad_len(k) * 4) as u32,
+        &p,
+    )
 }
 
 #[repr(C)]

@@ -150,7 +150,7 @@ fn gate_up_launch(
         &format!("moe_gate_up_{}", fmt.suffix()),
         (grid_x as u32, (slots.1 - slots.0) as u32, 1),
         THREADS,
-        (d * 4) as u32,
+        (crate::matvec::xpad_len(d) * 4) as u32,
         &p,
     )
 }
@@ -183,7 +183,7 @@ fn down_launch(
         slot_end: slots.1 as i32,
     };
     let rows_per_block = THREADS as usize / 32;
-    let smem = (slots.1 - slots.0) * io.act_stride * 4;
+    let smem = (slots.1 - slots.0) * crate::matvec::xpad_len(io.act_stride) * 4;
     Launch::new(
         gpu,
         &format!("moe_down_{}", m.format.suffix()),
@@ -232,7 +232,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
         &format!("moe_router_{}", w.router.format.suffix()),
         ((e + 1).div_ceil(rows_per_block) as u32, 1, 1),
         THREADS,
-        (d * 4) as u32,
+        (crate::matvec::xpad_len(d) * 4) as u32,
         &p,
     )?];
     let same = w.shared.map(|(gu, dn)| {

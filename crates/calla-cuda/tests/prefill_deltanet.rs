@@ -20,13 +20,13 @@ fn mixer_spec(base: &ModelSpec) -> ModelSpec {
     s
 }
 
-/// (label, spec, weight format, precision, tolerance (atol·rms, rtol) for outputs and state, cases (T, p0))
+/// (label, spec, weight format, precision, tolerance of outputs, state and ring, cases (T, p0))
 fn run_case(
     label: &str,
     spec: &ModelSpec,
     fmt: WFmt,
     precision: Option<Precision>,
-    tol: (f32, f32),
+    tol: Tol,
     cases: &[(usize, usize)],
 ) -> bool {
     let Some(gpu) = gpu() else { return true };
@@ -109,16 +109,14 @@ fn run_case(
             &format!("{label} T={t} p0={p0} deltanet_out"),
             &got,
             &want,
-            tol.0,
-            tol.1,
+            tol,
         );
         let s_got = download_f32(&gpu, s_d, s_gpu.len());
         ok &= check(
             &format!("{label} T={t} p0={p0} state S"),
             &s_got,
             &transpose_state(&cpu_state.recurrent, hv, dk, dv),
-            tol.0,
-            tol.1,
+            tol,
         );
         let ring_got = download_f32(&gpu, ring_d, ring.len());
         let p_end = (p0 + t) as i64;
@@ -132,8 +130,7 @@ fn run_case(
             &format!("{label} T={t} p0={p0} conv ring"),
             &ring_rows,
             &cpu_state.conv,
-            0.0,
-            1e-6,
+            tol,
         );
     }
     ok
@@ -163,21 +160,21 @@ fn fixture_dims_f32_and_q4() {
         &spec,
         WFmt::F32,
         None,
-        (1e-3, 1e-3),
+        SPLIT,
         &cases,
     ) & run_case(
         "tiny q4 split",
         &spec,
         WFmt::Q4,
         Some(Precision::Split),
-        (1e-3, 1e-3),
+        SPLIT,
         &cases[..6],
     ) & run_case(
         "tiny q4 fast",
         &spec,
         WFmt::Q4,
         None,
-        (3e-2, 3e-2),
+        FAST,
         &cases[4..8],
     );
     assert!(ok, "DeltaNet prefill out of tolerance (see above)");
@@ -192,7 +189,7 @@ fn real_dims_q4() {
         &spec,
         WFmt::Q4,
         None,
-        (3e-2, 3e-2),
+        FAST,
         &[(65, 0), (1000, 0), (300, 77)],
     );
     assert!(ok, "DeltaNet prefill out of tolerance (see above)");

@@ -26,10 +26,12 @@ fn reference(x: &[f32], t: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
     y
 }
 
-fn tolerance(p: Precision) -> (f32, f32) {
+/// One GEMM (no normalisation downstream): bf16 products give rms errors ~3e-3 (5e-3 after SwiGLU);
+/// split ~3e-6.
+fn tolerance(p: Precision) -> Tol {
     match p {
-        Precision::Fast => (1.5e-2, 1e-2),
-        Precision::Split => (1e-4, 1e-4),
+        Precision::Fast => Tol { atol_rms: 0.05, rtol: 0.02, rms_rel: 8e-3 },
+        Precision::Split => Tol { atol_rms: 1e-4, rtol: 1e-4, rms_rel: 3e-5 },
     }
 }
 
@@ -75,13 +77,12 @@ fn every_format_and_precision_matches_the_reference_at_odd_sizes() {
                 };
                 run(&gpu, &[gemm::gemm(&gpu, &g).unwrap()]);
                 let got = download_f32(&gpu, y, t * n);
-                let (a, r) = tolerance(prec);
+                let tol = tolerance(prec);
                 ok &= check(
                     &format!("{fmt:?} {prec:?} T={t} [{n}x{k}]"),
                     &got,
                     &want,
-                    a,
-                    r,
+                    tol,
                 );
             }
         }
@@ -143,13 +144,12 @@ fn epilogues_accumulate_swiglu_gather_and_row_scale() {
                 };
                 run(&gpu, &[gemm::gemm(&gpu, &g).unwrap()]);
                 let got = download_planes(&gpu, out, t * i);
-                let (a, r) = tolerance(prec);
+                let tol = tolerance(prec);
                 ok &= check(
                     &format!("swiglu+gather+scale {fmt:?} {prec:?} T={t}"),
                     &got,
                     &want,
-                    a,
-                    r,
+                    tol,
                 );
 
                 // accumulate: y = y0 + X·Wᵀ (the plain rows, no gather)
@@ -179,8 +179,7 @@ fn epilogues_accumulate_swiglu_gather_and_row_scale() {
                     &format!("accumulate {fmt:?} {prec:?} T={t}"),
                     &got,
                     &want_acc,
-                    a,
-                    r,
+                    tol,
                 );
             }
         }
@@ -208,7 +207,7 @@ fn rmsnorm_planes_and_embedding_rows() {
         &[gemm::rmsnorm_planes(&gpu, xd, Some(gd), 1e-6, t, d, planes).unwrap()],
     );
     let got = download_planes(&gpu, planes, t * d);
-    let mut ok = check("rmsnorm → planes (hi+lo)", &got, &want, 1e-5, 1e-5);
+    let mut ok = check("rmsnorm → planes (hi+lo)", &got, &want, Tol { atol_rms: 1e-5, rtol: 1e-5, rms_rel: 1e-6 });
     let hi_only = download_planes(
         &gpu,
         Planes {
@@ -217,7 +216,7 @@ fn rmsnorm_planes_and_embedding_rows() {
         },
         t * d,
     );
-    ok &= check("rmsnorm → hi plane (bf16)", &hi_only, &want, 0.0, 8e-3);
+    ok &= check("rmsnorm → hi plane (bf16)", &hi_only, &want, Tol { atol_rms: 0.0, rtol: 8e-3, rms_rel: 3e-3 });
 
     for fmt in [WFmt::F32, WFmt::Bf16, WFmt::Q4, WFmt::Q8] {
         let (v, d) = (300, 256);
@@ -236,7 +235,7 @@ fn rmsnorm_planes_and_embedding_rows() {
         for (row, tok) in want.chunks_exact_mut(d).zip(&tokens) {
             lin.decode_row(*tok as usize, row);
         }
-        ok &= check(&format!("embed rows {fmt:?}"), &got, &want, 1e-6, 1e-6);
+        ok &= check(&format!("embed rows {fmt:?}"), &got, &want, EXACTISH);
     }
     assert!(ok);
 }
@@ -287,13 +286,12 @@ fn real_layer_shapes_q4_and_bf16() {
             };
             run(&gpu, &[gemm::gemm(&gpu, &g).unwrap()]);
             let got = download_f32(&gpu, y, t * n);
-            let (a, r) = tolerance(prec);
+            let tol = tolerance(prec);
             ok &= check(
                 &format!("{name} {prec:?} T={t} [{n}x{k}]"),
                 &got,
                 &want,
-                a,
-                r,
+                tol,
             );
         }
     }

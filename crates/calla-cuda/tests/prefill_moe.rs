@@ -25,7 +25,7 @@ fn run_case(
     spec: &ModelSpec,
     fmt: WFmt,
     precision: Option<Precision>,
-    tol: (f32, f32),
+    tol: Tol,
     ts: &[usize],
 ) -> bool {
     let Some(gpu) = gpu() else { return true };
@@ -93,8 +93,7 @@ fn run_case(
             &format!("{label} T={t} second run equals the first"),
             &got2,
             &got,
-            0.0,
-            0.0,
+            EXACT,
         );
 
         // routing, token by token
@@ -157,8 +156,7 @@ fn run_case(
             &format!("{label} T={t} ffn_out"),
             &rows(&got),
             &rows(&want),
-            tol.0,
-            tol.1,
+            tol,
         );
     }
     ok
@@ -175,42 +173,42 @@ fn fixture_dims_moe_and_dense() {
         &tiny,
         WFmt::F32,
         None,
-        (1e-3, 1e-3),
+        SPLIT,
         &TOKEN_COUNTS,
     ) & run_case(
         "tiny MoE q4 split",
         &tiny,
         WFmt::Q4,
         Some(Precision::Split),
-        (1e-3, 1e-3),
+        SPLIT,
         &[1, 65, 1000],
     ) & run_case(
         "tiny MoE q4 fast",
         &tiny,
         WFmt::Q4,
         None,
-        (3e-2, 3e-2),
+        FAST,
         &[7, 150],
     ) & run_case(
         "tiny qwen3-next MoE f32",
         &next,
         WFmt::F32,
         None,
-        (1e-3, 1e-3),
+        SPLIT,
         &[63, 150],
     ) & run_case(
         "tiny dense MLP f32",
         &dense,
         WFmt::F32,
         None,
-        (1e-3, 1e-3),
+        SPLIT,
         &[1, 64, 150],
     ) & run_case(
         "tiny dense MLP bf16 fast",
         &dense,
         WFmt::Bf16,
         None,
-        (3e-2, 3e-2),
+        FAST,
         &[65],
     );
     assert!(ok, "MoE prefill out of tolerance (see above)");
@@ -227,7 +225,7 @@ fn real_dims_q4() {
         &spec,
         WFmt::Q4,
         None,
-        (3e-2, 3e-2),
+        FAST,
         &[65, 1000],
     );
     assert!(ok, "MoE prefill out of tolerance (see above)");

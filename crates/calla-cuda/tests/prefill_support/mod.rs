@@ -99,26 +99,48 @@ pub fn rms(v: &[f32]) -> f32 {
     (v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>() / v.len().max(1) as f64).sqrt() as f32
 }
 
-/// Elementwise check `|got − want| ≤ atol + rtol·|want|` with `atol = atol_rms · rms(want)`; prints
-/// the evidence and returns whether it passed. NaN never passes.
-pub fn check(name: &str, got: &[f32], want: &[f32], atol_rms: f32, rtol: f32) -> bool {
+/// A tolerance: elementwise `|got − want| ≤ atol_rms·rms(want) + rtol·|want|`, and over the whole
+/// tensor `rms(got − want) ≤ rms_rel·rms(want)`.
+#[derive(Debug, Clone, Copy)]
+pub struct Tol {
+    pub atol_rms: f32,
+    pub rtol: f32,
+    pub rms_rel: f32,
+}
+
+/// Split precision (≈ f32): measured rms errors ≤ 2e-5 of the reference.
+pub const SPLIT: Tol = Tol { atol_rms: 1e-3, rtol: 1e-3, rms_rel: 2e-4 };
+/// bf16 activations (fast precision, bf16 KV): measured rms errors 3–7e-3; single elements up to
+/// ~10% of the rms where a normalisation divides by a small norm (DeltaNet's gated norm of a
+/// near-empty state, attention rows over one or two positions), hence the loose elementwise bound.
+pub const FAST: Tol = Tol { atol_rms: 0.25, rtol: 0.05, rms_rel: 1.5e-2 };
+/// Exact up to float rounding of a different summation order.
+pub const EXACTISH: Tol = Tol { atol_rms: 1e-6, rtol: 1e-6, rms_rel: 1e-6 };
+/// Bit-identical.
+pub const EXACT: Tol = Tol { atol_rms: 0.0, rtol: 0.0, rms_rel: 0.0 };
+
+/// Checks `got` against `want` within `tol`; prints the evidence (max error, where, % of tolerance,
+/// rms error) and returns whether it passed. NaN never passes.
+pub fn check(name: &str, got: &[f32], want: &[f32], tol: Tol) -> bool {
     assert_eq!(got.len(), want.len(), "{name}: lengths");
     let scale = rms(want).max(1e-20);
-    let atol = atol_rms * scale;
+    let atol = tol.atol_rms * scale;
     let (mut worst, mut worst_i, mut worst_ratio, mut bad) = (0f32, 0usize, 0f32, 0usize);
     let mut sum_sq = 0f64;
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let err = (g - w).abs();
-        let tol = atol + rtol * w.abs();
+        let limit = atol + tol.rtol * w.abs();
         let ratio = if err.is_nan() || g.is_nan() {
             f32::INFINITY
+        } else if err == 0.0 {
+            0.0
         } else {
-            err / tol
+            err / limit
         };
         if ratio > 1.0 {
             bad += 1;
         }
-        if ratio > worst_ratio || (ratio.is_infinite() && worst_ratio.is_finite()) {
+        if ratio > worst_ratio {
             worst_ratio = ratio;
             worst = err;
             worst_i = i;
@@ -126,24 +148,23 @@ pub fn check(name: &str, got: &[f32], want: &[f32], atol_rms: f32, rtol: f32) ->
         sum_sq += (err as f64) * (err as f64);
     }
     let rel = (sum_sq / got.len().max(1) as f64).sqrt() as f32 / scale;
-    let pass = bad == 0;
+    let rms_ok = rel <= tol.rms_rel || (tol.rms_rel == 0.0 && sum_sq == 0.0);
+    let pass = bad == 0 && rms_ok && rel.is_finite();
     println!(
         "{} {name}: n={} rms(ref)={scale:.3e} max|err|={worst:.3e} at {worst_i} (got {:.6e}, want {:.6e}) = {:.1}% of tol \
-         [atol {atol_rms:.0e}·rms + rtol {rtol:.0e}], rms err/rms ref = {rel:.2e}{}",
+         [atol {:.0e}·rms + rtol {:.0e}], rms err/rms ref = {rel:.2e} (limit {:.0e}){}",
         if pass { "ok  " } else { "FAIL" },
         got.len(),
         got.get(worst_i).copied().unwrap_or(0.0),
         want.get(worst_i).copied().unwrap_or(0.0),
         worst_ratio * 100.0,
-        if pass { String::new() } else { format!(", {bad} elements out of tolerance") }
+        tol.atol_rms,
+        tol.rtol,
+        tol.rms_rel,
+        if bad == 0 { String::new() } else { format!(", {bad} elements out of tolerance") }
     );
     if !pass {
-        let pairs: Vec<String> = got
-            .iter()
-            .zip(want)
-            .take(6)
-            .map(|(g, w)| format!("({g:.5}, {w:.5})"))
-            .collect();
+        let pairs: Vec<String> = got.iter().zip(want).take(6).map(|(g, w)| format!("({g:.5}, {w:.5})")).collect();
         println!("     first (got, want): {}", pairs.join(" "));
     }
     pass

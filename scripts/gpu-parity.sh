@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# CUDA correctness, on the GPU machine, in one command; prints one table.
+#   (a) every kernel family against the CPU reference on fresh random inputs (odd and real shapes)
+#   (b) every committed fixture: prefill logits and 64-step greedy decode, CUDA vs the CPU engine
+#   (c) real shapes: a 4-layer model with the real Qwen3.6-35B-A3B dims, made with transformers
+#       (scripts/gpu-real-shape.py), greedy tokens and log-probabilities vs transformers
+# Needs the binaries from scripts/gpu-build.sh in .gpu-bin/ (the GPU machine has no Rust):
+#   run(command="scripts/gpu-parity.sh", carry=[".gpu-bin"])
+# Logs go to $OUT (or ./gpu-logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOGS=${OUT:-$PWD/gpu-logs}
+mkdir -p "$LOGS"
+BIN=.gpu-bin
+# kernels compiled by scripts/gpu-build.sh (same cache keys), else compiled here once
+[ -d .gpu-bin/kernel-cache ] && cp -r .gpu-bin/kernel-cache /tmp/calla-kernels 2>/dev/null
+export CALLA_KERNEL_CACHE=${CALLA_KERNEL_CACHE:-/tmp/calla-kernels}
+export RUST_BACKTRACE=1
+REAL=/tmp/calla-real-shape
+echo "commit $(cat $BIN/COMMIT 2>/dev/null | tr '\n' ' ')"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || true
+
+# (c)'s model is made with transformers while the Rust checks run.
+( PYTHONUNBUFFERED=1 timeout 600 python3 scripts/gpu-real-shape.py "$REAL" 32 > "$LOGS/real-shape-py.log" 2>&1; echo "exit $?" >> "$LOGS/real-shape-py.log" ) &
+py_pid=$!
+
+status=0
+run_tests() { # name, timeout, test filter args…
+    local name=$1 limit=$2; shift 2
+    timeout "$limit" "$BIN/gpu-tests" --ignored --test-threads=1 --nocapture "$@" > "$LOGS/$name.log" 2>&1
+    local rc=$?
+    [ $rc -eq 0 ] || { echo "[$name] exit $rc (log: $name.log)"; status=1; }
+}
+start=$(date +%s)
+run_tests kernels 300 --skip engine_
+echo "kernel checks: $(( $(date +%s) - start )) s"
+start=$(date +%s)
+run_tests engine-cpu 420 engine_matches_cpu
+echo "engine vs CPU: $(( $(date +%s) - start )) s"
+wait $py_pid
+tail -n 3 "$LOGS/real-shape-py.log"
+start=$(date +%s)
+CALLA_REAL_SHAPE_DIR=$REAL run_tests engine-transformers 300 engine_matches_transformers
+echo "engine vs transformers: $(( $(date +%s) - start )) s"
+
+echo
+echo "| check                                          | shape                      |  max error |     where | of tol.  |      |"
+echo "|------------------------------------------------|----------------------------|-----------:|----------:|---------:|------|"
+cat "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-transformers.log 2>/dev/null | grep '^| '
+echo
+grep -h -E '^test .*(ok|FAILED|ignored)$|^test result|panicked|^error' "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-transformers.log | grep -v '^test result: ok. 0 passed' | head -40
+grep -q 'FAIL |' "$LOGS"/*.log && status=1
+echo "parity: $([ $status -eq 0 ] && echo ALL PASS || echo FAILURES)"
+exit $status
