@@ -12,7 +12,7 @@ export CALLA_KERNEL_CACHE=${CALLA_KERNEL_CACHE:-/tmp/calla-kernels}
 echo "commit $(cat .gpu-bin/COMMIT 2>/dev/null | tr '\n' ' ')"
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(--synthetic qwen3.6-35b-a3b --quant q4 --prompt-len 512 --gen-len 128 --context 4096 --rounds 3)
-timeout 500 .gpu-bin/calla bench "${args[@]}" --json > "$LOGS/bench.json" 2> "$LOGS/bench.log"
+timeout 150 .gpu-bin/calla bench "${args[@]}" --json > "$LOGS/bench.json" 2> "$LOGS/bench.log"
 rc=$?
 tail -n 5 "$LOGS/bench.log"
 cat "$LOGS/bench.json"

@@ -21,7 +21,7 @@ echo "commit $(cat $BIN/COMMIT 2>/dev/null | tr '\n' ' ')"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || true
 
 # (c)'s model is made with transformers while the Rust checks run.
-( PYTHONUNBUFFERED=1 timeout 600 python3 scripts/gpu-real-shape.py "$REAL" 32 > "$LOGS/real-shape-py.log" 2>&1; echo "exit $?" >> "$LOGS/real-shape-py.log" ) &
+( PYTHONUNBUFFERED=1 timeout 240 python3 scripts/gpu-real-shape.py "$REAL" 32 > "$LOGS/real-shape-py.log" 2>&1; echo "exit $?" >> "$LOGS/real-shape-py.log" ) &
 py_pid=$!
 
 status=0
@@ -32,15 +32,15 @@ run_tests() { # name, timeout, test filter args…
     [ $rc -eq 0 ] || { echo "[$name] exit $rc (log: $name.log)"; status=1; }
 }
 start=$(date +%s)
-run_tests kernels 300 --skip engine_
+run_tests kernels 180 --skip engine_
 echo "kernel checks: $(( $(date +%s) - start )) s"
 start=$(date +%s)
-run_tests engine-cpu 420 engine_matches_cpu
+run_tests engine-cpu 180 engine_matches_cpu
 echo "engine vs CPU: $(( $(date +%s) - start )) s"
 wait $py_pid
 tail -n 3 "$LOGS/real-shape-py.log"
 start=$(date +%s)
-CALLA_REAL_SHAPE_DIR=$REAL run_tests engine-transformers 300 engine_matches_transformers
+CALLA_REAL_SHAPE_DIR=$REAL run_tests engine-transformers 120 engine_matches_transformers
 echo "engine vs transformers: $(( $(date +%s) - start )) s"
 
 echo

@@ -43,6 +43,9 @@ pub struct Args {
     /// K/V cache element type: f32 or bf16.
     #[arg(long, default_value = "f32")]
     kv_cache: String,
+    /// Also time each kernel of the decode step on its own (launched one by one, CUDA events).
+    #[arg(long)]
+    profile: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -80,6 +83,7 @@ pub fn run(args: Args) -> Result<()> {
         warmup: args.warmup,
         kv_cache,
         seed: 0x00CA_11A0,
+        profile: args.profile,
     };
     let report = bench::run(&spec, &args.synthetic, &opts)?;
     if args.json {
@@ -93,11 +97,24 @@ pub fn run(args: Args) -> Result<()> {
 fn print_table(r: &BenchReport) {
     let gb = |b: f64| b / 1e9;
     println!("device      {}", r.device);
-    println!("model       {} ({}, KV cache {})", r.model, r.format, r.kv_cache);
-    println!("weights     {:.2} GB on the GPU (made in {:.1} s)", gb(r.weight_bytes as f64), r.weights_made_s);
+    println!(
+        "model       {} ({}, KV cache {})",
+        r.model, r.format, r.kv_cache
+    );
+    println!(
+        "weights     {:.2} GB on the GPU (made in {:.1} s)",
+        gb(r.weight_bytes as f64),
+        r.weights_made_s
+    );
     println!("peak memory {:.2} GB", gb(r.peak_gpu_memory_bytes as f64));
-    println!("copy        {:.0} GB/s device-to-device (read + write)", r.copy_gb_s);
-    println!("decode step {} launches, one CUDA graph", r.launches_per_token);
+    println!(
+        "copy        {:.0} GB/s device-to-device (read + write)",
+        r.copy_gb_s
+    );
+    println!(
+        "decode step {} launches, one CUDA graph",
+        r.launches_per_token
+    );
     println!(
         "prefill     {} tokens: TTFT {:.1} ms, {:.0} tok/s",
         r.prefill.tokens, r.prefill.ttft_ms, r.prefill.tokens_per_s
@@ -115,5 +132,15 @@ fn print_table(r: &BenchReport) {
             d.achieved_gb_s,
             100.0 * d.fraction_of_copy_bandwidth
         );
+    }
+    if !r.profile.is_empty() {
+        let total: f64 = r.profile.iter().map(|p| p.2).sum();
+        println!("decode step, kernel by kernel (no graph; {total:.0} µs in all):");
+        for (name, n, us) in &r.profile {
+            println!(
+                "  {name:<28} ×{n:<4} {us:>9.1} µs  {:>5.1}%",
+                100.0 * us / total
+            );
+        }
     }
 }

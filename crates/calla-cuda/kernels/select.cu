@@ -139,72 +139,130 @@ __device__ int block_top(float* vals, const int* ids, int id_base, int count, in
     return taken;
 }
 
-// Draw over the whole vocabulary: kept = finite z passing the top-p threshold (z > vstar, and of the
-// ids with z == vstar the first tie_room in id order; vstar = −inf keeps every finite z) and min-p.
-// Sums run in per-thread id-ordered chunks; the chunk holding the target walks itself. Returns the
-// drawn id, or −1 when nothing is kept. `scan` holds ≥ blockDim + 1 floats, `tie_scan` blockDim ints.
-__device__ int draw_full(const SelectParams& p, const SelectConfig& c, float zmax, float vstar, int tie_room, float u,
-                         float* scan, int* tie_scan) {
+// Draw over the whole vocabulary exactly as the reference does: kept = finite z passing the top-p
+// threshold (z > vstar, and of the ids with z == vstar the first tie_room in id order; vstar = −inf
+// keeps every finite z) and min-p; total = Σ w over kept in ascending id order and the running sum
+// are sequential f32 sums, like the reference's, so the same draws come out (a parallel sum rounds
+// differently: at V = 248k the reference's sequential total is off by ~4e-4 relative, which moves
+// draws). The block computes w in tiles of `tile` ids into shared memory; thread 0 accumulates.
+// ~0.7 ms per pass at V = 248k: used only when sampling without top-k. Returns −1 if nothing is kept.
+__device__ int draw_exact(const SelectParams& p, const SelectConfig& c, float zmax, float vstar, int tie_room, float u,
+                          float* w, u8* flag, int tile) {
     const float* logits = (const float*)p.logits;
-    const int per = (p.V + blockDim.x - 1) / blockDim.x;
-    const int lo = min(p.V, (int)threadIdx.x * per), hi = min(p.V, lo + per);
-    __shared__ int chosen, last_any;
-    int ties = 0;
-    if (vstar > NEG_INF)
-        for (int i = lo; i < hi; ++i) ties += adjust(p, c, i, logits[i], true) == vstar ? 1 : 0;
-    __syncthreads();
-    tie_scan[threadIdx.x] = ties;
-    if (threadIdx.x == 0) { chosen = -1; last_any = -1; }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int run = 0;
-        for (int t = 0; t < (int)blockDim.x; ++t) { const int v = tie_scan[t]; tie_scan[t] = run; run += v; }
-    }
-    __syncthreads();
-    int tie_rank = tie_scan[threadIdx.x];
-    float sum = 0.0f;
-    int last_kept = -1;
-    for (int i = lo; i < hi; ++i) {
-        const float z = adjust(p, c, i, logits[i], true);
-        bool keep = z > vstar || (z == vstar && tie_rank++ < tie_room);
-        if (!(z > NEG_INF && z < __int_as_float(0x7f800000))) keep = false;
-        if (keep && c.min_p > 0.0f && !(expf(z - zmax) >= c.min_p)) keep = false;
-        if (keep) { sum += expf(z - zmax); last_kept = i; }
-    }
-    scan[threadIdx.x] = sum;
-    __syncthreads();
-    if (last_kept >= 0) atomicMax(&last_any, last_kept);
-    if (threadIdx.x == 0) {
-        float run = 0.0f;
-        for (int t = 0; t < (int)blockDim.x; ++t) { const float v = scan[t]; scan[t] = run; run += v; }
-        scan[blockDim.x] = run;
-    }
-    __syncthreads();
-    const float target = u * scan[blockDim.x];
-    const float start = scan[threadIdx.x];
-    if (sum > 0.0f && start <= target && start + sum > target) {
-        float run = start;
-        int rank = tie_scan[threadIdx.x], pick = -1, last = -1;
-        for (int i = lo; i < hi; ++i) {
-            const float z = adjust(p, c, i, logits[i], true);
-            bool keep = z > vstar || (z == vstar && rank++ < tie_room);
-            if (!(z > NEG_INF && z < __int_as_float(0x7f800000))) keep = false;
-            if (keep && c.min_p > 0.0f && !(expf(z - zmax) >= c.min_p)) keep = false;
-            if (!keep) continue;
-            last = i;
-            run += expf(z - zmax);
-            if (run > target) { pick = i; break; }
+    __shared__ float total_s, run_s;
+    __shared__ int ties_s, chosen_s, last_s, done_s;
+    if (threadIdx.x == 0) { total_s = 0.0f; ties_s = 0; last_s = -1; chosen_s = -1; done_s = 0; run_s = 0.0f; }
+    for (int pass = 0; pass < 2; ++pass) {
+        if (threadIdx.x == 0) ties_s = 0;
+        __syncthreads();
+        const float target = u * total_s;
+        for (int base = 0; base < p.V; base += tile) {
+            const int n = min(tile, p.V - base);
+            for (int k = threadIdx.x; k < n; k += blockDim.x) {
+                const float z = adjust(p, c, base + k, logits[base + k], true);
+                u8 f = 0; // 0 drop, 1 keep, 2 tie at the top-p boundary
+                float wk = 0.0f;
+                if (z > NEG_INF && z < __int_as_float(0x7f800000) && z >= vstar) {
+                    wk = expf(z - zmax);
+                    f = z > vstar ? 1 : 2;
+                    if (c.min_p > 0.0f && !(wk >= c.min_p)) f = 0;
+                }
+                w[k] = wk;
+                flag[k] = f;
+            }
+            __syncthreads();
+            if (threadIdx.x == 0 && !done_s) {
+                float acc = pass == 0 ? total_s : run_s;
+                int ties = ties_s;
+                for (int k = 0; k < n; ++k) {
+                    const u8 f = flag[k];
+                    if (f == 0) continue;
+                    // ties are counted before min-p in the reference (top-p, then min-p), but a
+                    // tie group shares one z, so min-p keeps all of it or none
+                    if (f == 2 && ties++ >= tie_room) continue;
+                    acc += w[k];
+                    if (pass == 0) {
+                        last_s = base + k;
+                    } else if (acc > target) {
+                        chosen_s = base + k;
+                        done_s = 1;
+                        break;
+                    }
+                }
+                ties_s = ties;
+                if (pass == 0) total_s = acc; else run_s = acc;
+            }
+            __syncthreads();
+            if (done_s) break;
         }
-        chosen = pick >= 0 ? pick : last;
+        if (pass == 0 && last_s < 0) break; // nothing kept
     }
     __syncthreads();
-    return chosen >= 0 ? chosen : last_any;
+    return chosen_s >= 0 ? chosen_s : last_s;
+}
+
+// The reference's last steps on a small kept set given in rank order (ids[k], z[k]), k < n ≤
+// SEL_MAX_CAND: ascending id order, min-p, sequential total, the first id whose running sum
+// exceeds u·total (the last kept id if none). One thread.
+__device__ int draw_ranked(const int* ids, const float* z, int n, float zmax, float min_p, float u) {
+    int order[SEL_MAX_CAND];
+    for (int k = 0; k < n; ++k) order[k] = k;
+    for (int a = 1; a < n; ++a) {
+        const int t = order[a];
+        int b = a - 1;
+        while (b >= 0 && ids[order[b]] > ids[t]) { order[b + 1] = order[b]; --b; }
+        order[b + 1] = t;
+    }
+    float total = 0.0f;
+    int last = -1;
+    for (int k = 0; k < n; ++k) {
+        const float w = expf(z[order[k]] - zmax);
+        if (min_p > 0.0f && !(w >= min_p)) continue;
+        total += w;
+        last = ids[order[k]];
+    }
+    const float target = u * total;
+    float run = 0.0f;
+    for (int k = 0; k < n; ++k) {
+        const float w = expf(z[order[k]] - zmax);
+        if (min_p > 0.0f && !(w >= min_p)) continue;
+        run += w;
+        if (run > target) return ids[order[k]];
+    }
+    return last;
+}
+
+// Σ exp(z − zmax) over the finite z in ascending id order, as one sequential f32 sum (the
+// reference's top-p normaliser). Tiles of w in shared memory, thread 0 accumulates.
+__device__ float exact_total(const SelectParams& p, const SelectConfig& c, float zmax, float* w, int tile) {
+    const float* logits = (const float*)p.logits;
+    __shared__ float total_s;
+    if (threadIdx.x == 0) total_s = 0.0f;
+    for (int base = 0; base < p.V; base += tile) {
+        const int n = min(tile, p.V - base);
+        __syncthreads();
+        for (int k = threadIdx.x; k < n; k += blockDim.x) {
+            const float z = adjust(p, c, base + k, logits[base + k], true);
+            w[k] = (z > NEG_INF && z < __int_as_float(0x7f800000)) ? expf(z - zmax) : -1.0f;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float acc = total_s;
+            for (int k = 0; k < n; ++k)
+                if (w[k] >= 0.0f) acc += w[k];
+            total_s = acc;
+        }
+    }
+    __syncthreads();
+    return total_s;
 }
 
 extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const SelectParams p) {
     extern __shared__ float sm[];
-    float* raw = sm;              // [chunk]
-    float* zv = sm + p.chunk;     // [chunk]
+    // two arrays of `arr` floats: a block's values, then the merged candidates / draw tiles
+    const int arr = max(max(p.chunk, (int)gridDim.x * SEL_MAX_CAND), max((int)gridDim.x * SEL_MAX_LOGPROBS, (int)blockDim.x + 1));
+    float* raw = sm;       // [arr]
+    float* zv = sm + arr;  // [arr]
     __shared__ Best scratch[32];
     __shared__ float red[32];
     __shared__ int is_last;
@@ -325,6 +383,13 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         __shared__ int k_ids[SEL_MAX_CAND];
         __shared__ float k_vals[SEL_MAX_CAND];
         int nk = block_top(cv, ci, 0, ncand, want, k_ids, k_vals, scratch); // ranked (z ↓, id ↑)
+        // Full-vocabulary top-p needs the reference's own (sequential) normaliser.
+        const bool topk_mode_all = c.top_k > 0 && c.top_k < g_nfin && c.top_k <= SEL_MAX_CAND;
+        if (!topk_mode_all && c.top_p < 1.0f) {
+            const float t = exact_total(p, c, g_zmax, raw, arr);
+            if (threadIdx.x == 0) g_ztotal = t;
+            __syncthreads();
+        }
         // drop non-finite candidates (kept = finite z)
         __shared__ int s_token, s_mode;
         __shared__ float s_vstar;
@@ -360,27 +425,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
                     }
                     nkeep = m2;
                 }
-                // ascending id order of the kept, min-p, draw
-                int order[SEL_MAX_CAND];
-                for (int k = 0; k < nkeep; ++k) order[k] = k;
-                for (int a = 1; a < nkeep; ++a) { int t = order[a], b = a - 1; while (b >= 0 && ids_keep[order[b]] > ids_keep[t]) { order[b + 1] = order[b]; --b; } order[b + 1] = t; }
-                float total = 0.0f;
-                int last = -1;
-                for (int k = 0; k < nkeep; ++k) {
-                    const float z = ids_keep_v[order[k]];
-                    if (c.min_p > 0.0f && !(expf(z - zmax) >= c.min_p)) continue;
-                    total += expf(z - zmax);
-                    last = ids_keep[order[k]];
-                }
-                const float target = u * total;
-                float run = 0.0f;
-                for (int k = 0; k < nkeep; ++k) {
-                    const float z = ids_keep_v[order[k]];
-                    if (c.min_p > 0.0f && !(expf(z - zmax) >= c.min_p)) continue;
-                    run += expf(z - zmax);
-                    if (run > target) { s_token = ids_keep[order[k]]; break; }
-                }
-                if (s_token < 0) s_token = last;
+                s_token = draw_ranked(ids_keep, ids_keep_v, nkeep, zmax, c.min_p, u);
             } else {
                 // full vocabulary: top-p threshold from the ranked candidates when the nucleus fits in them
                 s_mode = 1;
@@ -396,12 +441,9 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
                     if (m2 == 0) {
                         s_mode = 3; // top_p ≤ 0 keeps nothing: the reference falls back to argmax
                     } else if (cum >= c.top_p || m2 == g_nfin) {
-                        // kept = ranked prefix of length m2: z > v_last, plus ties at v_last up to rank
-                        const float vlast = k_vals[m2 - 1];
-                        int before = 0;
-                        for (int k = 0; k < m2; ++k) if (k_vals[k] == vlast) ++before;
-                        s_vstar = vlast;
-                        s_tie_room = before;
+                        // kept = the ranked prefix of length m2 (all within the candidates)
+                        s_mode = 0;
+                        s_token = draw_ranked(k_ids, k_vals, m2, g_zmax, c.min_p, u);
                     } else {
                         s_mode = 2; // nucleus larger than the candidates: bisection below
                     }
@@ -458,8 +500,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
             __syncthreads();
         }
         if (s_mode == 1) {
-            __shared__ int tie_scan[SEL_THREADS];
-            const int r = draw_full(p, c, g_zmax, s_vstar, s_tie_room, u, raw, tie_scan);
+            const int r = draw_exact(p, c, g_zmax, s_vstar, s_tie_room, u, raw, (u8*)zv, arr);
             if (threadIdx.x == 0) s_token = r;
             __syncthreads();
         }

@@ -281,6 +281,68 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// Time every launch of one decode step separately (events around each kernel, no graph), for
+    /// `rounds` steps of `seq` starting from `token`. Returns (kernel name, launches per step, µs
+    /// per step) summed by name, slowest first. The step's results are real: the sequence advances.
+    pub fn profile_decode(
+        &mut self,
+        seq: &mut dyn Sequence,
+        token: u32,
+        rounds: usize,
+    ) -> Result<Vec<(String, usize, f64)>> {
+        use cudarc::driver::sys::CUevent_flags;
+        let seq = cuda_sequence(seq)?;
+        let chain: Vec<Launch> = self
+            .body
+            .iter()
+            .chain(self.head.iter())
+            .cloned()
+            .chain(std::iter::once(self.select_advance.clone()))
+            .collect();
+        let events: Vec<_> = (0..=chain.len())
+            .map(|_| {
+                self.gpu
+                    .ctx
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            })
+            .collect::<Result<_, _>>()?;
+        let mut totals: std::collections::BTreeMap<String, (usize, f64)> = Default::default();
+        let mut token = token;
+        for _ in 0..rounds {
+            self.check_tokens(seq, &[token])?;
+            self.set_cursor(seq, seq.len, token)?;
+            events[0].record(&self.gpu.stream)?;
+            for (l, e) in chain.iter().zip(&events[1..]) {
+                l.run(&self.gpu)?;
+                e.record(&self.gpu.stream)?;
+            }
+            self.gpu.sync()?;
+            for (i, l) in chain.iter().enumerate() {
+                let ms = events[i].elapsed_ms(&events[i + 1])? as f64;
+                let t = totals.entry(l.name.clone()).or_default();
+                t.0 += 1;
+                t.1 += ms * 1e3;
+            }
+            if let Some(c) = self.cursor_mirror.as_mut() {
+                c.pos += 1;
+            }
+            let choice = self.selector.finish(&self.gpu)?;
+            token = choice.token;
+            if let Some(c) = self.cursor_mirror.as_mut() {
+                c.token = token as i32;
+            }
+            seq.len += 1;
+        }
+        let mut out: Vec<(String, usize, f64)> = totals
+            .into_iter()
+            .map(|(k, (n, us))| (k, n / rounds.max(1), us / rounds.max(1) as f64))
+            .collect();
+        out.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Ok(out)
+    }
+}
+
 fn cuda_sequence(seq: &mut dyn Sequence) -> Result<&mut CudaSequence> {
     if let Some(f) = seq.as_any().downcast_ref::<FailedSnapshot>() {
         return Err(anyhow!("this sequence is a snapshot that failed: {}", f.0));

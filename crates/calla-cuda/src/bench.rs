@@ -31,6 +31,8 @@ pub struct BenchOptions {
     pub warmup: usize,
     pub kv_cache: KvDtype,
     pub seed: u64,
+    /// Also time each kernel of the decode step on its own (at the last context).
+    pub profile: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -70,6 +72,8 @@ pub struct BenchReport {
     pub peak_gpu_memory_bytes: usize,
     pub prefill: PrefillResult,
     pub decode: Vec<DecodeResult>,
+    /// per kernel: (name, launches per step, µs per step), launched one by one with events between
+    pub profile: Vec<(String, usize, f64)>,
 }
 
 /// Bytes one decode step must read (and write, for the DeltaNet states) at `context`.
@@ -307,6 +311,18 @@ pub fn run(spec: &ModelSpec, model_name: &str, opts: &BenchOptions) -> Result<Be
             fraction_of_copy_bandwidth: gb_s / copy_gb_s,
         });
     }
+    let mut profile = Vec::new();
+    if opts.profile {
+        let context = *contexts.last().unwrap_or(&opts.prompt_len);
+        let mut seq = be.new_sequence()?;
+        let cs = seq
+            .as_any_mut()
+            .downcast_mut::<CudaSequence>()
+            .expect("cuda sequence");
+        fake_context(&be, cs, context, opts.seed + 99)?;
+        be.step(seq.as_mut(), &[prompt[0]], &sel(0))?;
+        profile = be.profile_decode(seq.as_mut(), prompt[1 % prompt.len()], 20)?;
+    }
     Ok(BenchReport {
         device: be.describe(),
         model: model_name.to_string(),
@@ -324,6 +340,7 @@ pub fn run(spec: &ModelSpec, model_name: &str, opts: &BenchOptions) -> Result<Be
             tokens_per_s: opts.prompt_len as f64 / ttft_s,
         },
         decode,
+        profile,
     })
 }
 

@@ -146,12 +146,7 @@ fn run_case(
             .zip(&h_in)
             .map(|(a, b)| a - b)
             .collect();
-        ok &= check(
-            &format!("{label} T={t} p0={p0} attn_out"),
-            &got,
-            &want,
-            tol,
-        );
+        ok &= check(&format!("{label} T={t} p0={p0} attn_out"), &got, &want, tol);
         let mut kb = vec![0u8; k_bytes.len()];
         gpu.dtoh(kc, &mut kb).unwrap();
         let mut vb = vec![0u8; v_bytes.len()];
@@ -159,7 +154,15 @@ fn run_case(
         let n0 = p0 * hkv * dh;
         // bf16 caches: the rows are the f32 reference rounded to bf16 (≤ 2^-9 relative) plus the
         // projection's own error
-        let kv_tol = if kv == KvDtype::Bf16 { Tol { atol_rms: tol.atol_rms, rtol: 8e-3, rms_rel: tol.rms_rel } } else { tol };
+        let kv_tol = if kv == KvDtype::Bf16 {
+            Tol {
+                atol_rms: tol.atol_rms,
+                rtol: 8e-3,
+                rms_rel: tol.rms_rel,
+            }
+        } else {
+            tol
+        };
         ok &= check(
             &format!("{label} T={t} p0={p0} K cache rows"),
             &from_cache(&kb, hkv, dh, max_ctx, kv, p0, p0 + t),

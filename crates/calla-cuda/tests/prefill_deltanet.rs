@@ -155,28 +155,16 @@ fn fixture_dims_f32_and_q4() {
     let spec = mixer_spec(&tiny_spec(Family::Qwen35Moe, 1));
     let mut cases: Vec<(usize, usize)> = TOKEN_COUNTS.iter().map(|t| (*t, 0)).collect();
     cases.extend([(1, 5), (7, 2), (150, 37), (64, 64)]);
-    let ok = run_case(
-        "tiny f32 (split)",
-        &spec,
-        WFmt::F32,
-        None,
-        SPLIT,
-        &cases,
-    ) & run_case(
-        "tiny q4 split",
-        &spec,
-        WFmt::Q4,
-        Some(Precision::Split),
-        SPLIT,
-        &cases[..6],
-    ) & run_case(
-        "tiny q4 fast",
-        &spec,
-        WFmt::Q4,
-        None,
-        FAST,
-        &cases[4..8],
-    );
+    let ok = run_case("tiny f32 (split)", &spec, WFmt::F32, None, SPLIT, &cases)
+        & run_case(
+            "tiny q4 split",
+            &spec,
+            WFmt::Q4,
+            Some(Precision::Split),
+            SPLIT,
+            &cases[..6],
+        )
+        & run_case("tiny q4 fast", &spec, WFmt::Q4, None, FAST, &cases[4..8]);
     assert!(ok, "DeltaNet prefill out of tolerance (see above)");
 }
 

@@ -102,17 +102,13 @@ fn run_case(label: &str, fmt: WFmt, kv: KvDtype, tol: Tol) -> bool {
 #[test]
 #[ignore = "needs CUDA"]
 fn four_layers_two_chunks_f32_and_q4() {
-    let ok = run_case(
-        "tiny f32 weights, f32 KV",
-        WFmt::F32,
-        KvDtype::F32,
-        SPLIT,
-    ) & run_case(
-        "tiny q4 weights (fast), bf16 KV",
-        WFmt::Q4,
-        KvDtype::Bf16,
-        FAST,
-    );
+    let ok = run_case("tiny f32 weights, f32 KV", WFmt::F32, KvDtype::F32, SPLIT)
+        & run_case(
+            "tiny q4 weights (fast), bf16 KV",
+            WFmt::Q4,
+            KvDtype::Bf16,
+            FAST,
+        );
     assert!(ok, "prefill layers out of tolerance (see above)");
 }
 
@@ -146,12 +142,24 @@ fn runner_case(label: &str, fmt: WFmt, kv: KvDtype, tol: Tol) -> bool {
             }
         };
         cpu.forward(&tokens, &mut seq, Logits::Skip, Some(&mut hook));
-        runner.run(&gpu, &spec, &model, &layout, state, p0, &tokens, Some(last)).unwrap();
+        runner
+            .run(&gpu, &spec, &model, &layout, state, p0, &tokens, Some(last))
+            .unwrap();
         gpu.sync().unwrap();
         let rows_last_chunk = (t - 1) % 64 + 1;
         let got = download_f32(&gpu, runner.h, rows_last_chunk * d);
-        ok &= check(&format!("{label} prompt of {t} at p0={p0} (chunks of 64): last chunk rows"), &got, &l_out[(t - rows_last_chunk) * d..], tol);
-        ok &= check(&format!("{label} prompt of {t} at p0={p0}: last row copied"), &download_f32(&gpu, last, d), &l_out[(t - 1) * d..], tol);
+        ok &= check(
+            &format!("{label} prompt of {t} at p0={p0} (chunks of 64): last chunk rows"),
+            &got,
+            &l_out[(t - rows_last_chunk) * d..],
+            tol,
+        );
+        ok &= check(
+            &format!("{label} prompt of {t} at p0={p0}: last row copied"),
+            &download_f32(&gpu, last, d),
+            &l_out[(t - 1) * d..],
+            tol,
+        );
         p0 += t;
     }
     ok

@@ -182,35 +182,31 @@ fn fixture_dims_moe_and_dense() {
         Some(Precision::Split),
         SPLIT,
         &[1, 65, 1000],
-    ) & run_case(
-        "tiny MoE q4 fast",
-        &tiny,
-        WFmt::Q4,
-        None,
-        FAST,
-        &[7, 150],
-    ) & run_case(
-        "tiny qwen3-next MoE f32",
-        &next,
-        WFmt::F32,
-        None,
-        SPLIT,
-        &[63, 150],
-    ) & run_case(
-        "tiny dense MLP f32",
-        &dense,
-        WFmt::F32,
-        None,
-        SPLIT,
-        &[1, 64, 150],
-    ) & run_case(
-        "tiny dense MLP bf16 fast",
-        &dense,
-        WFmt::Bf16,
-        None,
-        FAST,
-        &[65],
-    );
+    ) & run_case("tiny MoE q4 fast", &tiny, WFmt::Q4, None, FAST, &[7, 150])
+        & run_case(
+            "tiny qwen3-next MoE f32",
+            &next,
+            WFmt::F32,
+            None,
+            SPLIT,
+            &[63, 150],
+        )
+        & run_case(
+            "tiny dense MLP f32",
+            &dense,
+            WFmt::F32,
+            None,
+            SPLIT,
+            &[1, 64, 150],
+        )
+        & run_case(
+            "tiny dense MLP bf16 fast",
+            &dense,
+            WFmt::Bf16,
+            None,
+            FAST,
+            &[65],
+        );
     assert!(ok, "MoE prefill out of tolerance (see above)");
 }
 
@@ -220,13 +216,6 @@ fn real_dims_q4() {
     let mut spec = ffn_spec(&calla_model::synthetic::preset("qwen3.6-35b-a3b").unwrap());
     spec.linear_num_key_heads = 2; // keep the unused DeltaNet mixer small
     spec.linear_num_value_heads = 2;
-    let ok = run_case(
-        "real MoE q4 fast",
-        &spec,
-        WFmt::Q4,
-        None,
-        FAST,
-        &[65, 1000],
-    );
+    let ok = run_case("real MoE q4 fast", &spec, WFmt::Q4, None, FAST, &[65, 1000]);
     assert!(ok, "MoE prefill out of tolerance (see above)");
 }

@@ -25,6 +25,8 @@ pub fn check(name: &str, shape: &str, got: &[f32], want: &[f32], atol: f32, rtol
         let tol = atol + rtol * w.abs();
         let ratio = if err.is_nan() {
             f32::INFINITY
+        } else if err == 0.0 {
+            0.0
         } else {
             err / tol
         };

@@ -109,15 +109,31 @@ pub struct Tol {
 }
 
 /// Split precision (≈ f32): measured rms errors ≤ 2e-5 of the reference.
-pub const SPLIT: Tol = Tol { atol_rms: 1e-3, rtol: 1e-3, rms_rel: 2e-4 };
+pub const SPLIT: Tol = Tol {
+    atol_rms: 1e-3,
+    rtol: 1e-3,
+    rms_rel: 2e-4,
+};
 /// bf16 activations (fast precision, bf16 KV): measured rms errors 3–7e-3; single elements up to
 /// ~10% of the rms where a normalisation divides by a small norm (DeltaNet's gated norm of a
 /// near-empty state, attention rows over one or two positions), hence the loose elementwise bound.
-pub const FAST: Tol = Tol { atol_rms: 0.25, rtol: 0.05, rms_rel: 1.5e-2 };
+pub const FAST: Tol = Tol {
+    atol_rms: 0.25,
+    rtol: 0.05,
+    rms_rel: 1.5e-2,
+};
 /// Exact up to float rounding of a different summation order.
-pub const EXACTISH: Tol = Tol { atol_rms: 1e-6, rtol: 1e-6, rms_rel: 1e-6 };
+pub const EXACTISH: Tol = Tol {
+    atol_rms: 1e-6,
+    rtol: 1e-6,
+    rms_rel: 1e-6,
+};
 /// Bit-identical.
-pub const EXACT: Tol = Tol { atol_rms: 0.0, rtol: 0.0, rms_rel: 0.0 };
+pub const EXACT: Tol = Tol {
+    atol_rms: 0.0,
+    rtol: 0.0,
+    rms_rel: 0.0,
+};
 
 /// Checks `got` against `want` within `tol`; prints the evidence (max error, where, % of tolerance,
 /// rms error) and returns whether it passed. NaN never passes.
@@ -164,7 +180,12 @@ pub fn check(name: &str, got: &[f32], want: &[f32], tol: Tol) -> bool {
         if bad == 0 { String::new() } else { format!(", {bad} elements out of tolerance") }
     );
     if !pass {
-        let pairs: Vec<String> = got.iter().zip(want).take(6).map(|(g, w)| format!("({g:.5}, {w:.5})")).collect();
+        let pairs: Vec<String> = got
+            .iter()
+            .zip(want)
+            .take(6)
+            .map(|(g, w)| format!("({g:.5}, {w:.5})"))
+            .collect();
         println!("     first (got, want): {}", pairs.join(" "));
     }
     pass
