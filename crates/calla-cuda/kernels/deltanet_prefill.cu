@@ -20,9 +20,10 @@
 //   prefill_dn_ring   grid (⌈C/256⌉, K): the last K positions into the ring (after conv: no race).
 //   prefill_dn_chunk  grid (⌈T/64⌉, Hv), block 256: A and Aqk (4×4 register tiles), then forward
 //                     substitution with one thread per column of [U | W] (no barriers); parallel
-//                     over chunks. smem max(2·64·(Dk+1), 64·(Dv+Dk)) + 64·65 + 128 floats.
+//                     over chunks. smem max(2·64·(Dk+4), 64·(Dv+Dk)) + 64·65 + 128 floats.
 //   prefill_dn_scan   grid (⌈Dv/32⌉, Hv), block 256: the only sequential part — the state tile
-//                     S [32, Dk] in smem, chunk after chunk: v', o, S update.
+//                     S [32, Dk] in smem, chunk after chunk: v', o, S update; smem (3·64 + 32)·(Dk+4)
+//                     + 64·(33 + 36 + 65) + 128 floats (153 KiB at Dk 128).
 //   prefill_dn_norm   grid ⌈T·Hv/8⌉, block 256: gated RMSNorm, one warp per (token, head) → bf16
 //                     planes for out_proj.
 // FLOPs per (chunk, head) ≈ 2·64·64·Dk·2 (A, Aqk) + 64²·(Dv+Dk) (solve) + 3·2·64·Dk·Dv (scan).
@@ -34,6 +35,35 @@
 
 __device__ __forceinline__ float dn_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ int dn_slot(int pos, int K) { return ((pos % K) + K) % K; }
+
+// Copy a [rows, width] f32 tile (row r at src + r·stride; rows ≥ valid become zeros) into shared rows
+// of `pitch` floats with 16-byte loads, eight in flight per thread before any is stored (the loads
+// come from L2; one at a time they would serialise on its latency). width % 4 == 0, src 16-byte aligned.
+__device__ __forceinline__ void dn_load_tile(float* dst, int pitch, const float* src, i64 stride, int rows, int valid,
+                                             int width) {
+    const int w4 = width >> 2, total = rows * w4;
+    for (int base = threadIdx.x; base < total; base += blockDim.x * 8) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int e = base + u * blockDim.x;
+            v[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (e < total) {
+                const int r = e / w4;
+                if (r < valid) v[u] = *(const float4*)(src + r * stride + (e - r * w4) * 4);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int e = base + u * blockDim.x;
+            if (e < total) {
+                const int r = e / w4;
+                float* d = dst + r * pitch + (e - r * w4) * 4;
+                d[0] = v[u].x; d[1] = v[u].y; d[2] = v[u].z; d[3] = v[u].w;
+            }
+        }
+    }
+}
 
 // ---------------------------------------------------------------- conv + silu + q/k L2 norm
 struct DnConvParams {
@@ -73,14 +103,21 @@ extern "C" __global__ void __launch_bounds__(128) prefill_dn_conv(const DnConvPa
                 win[u] = tt >= 0 ? qkv[(i64)tt * p.C + c] : ring[(i64)dn_slot(p.p0 + tt, K) * p.C + c];
             }
         }
-        for (int i = 0; i < L; ++i) {
-            win[DN_MAX_K - 1] = qkv[(i64)(t0 + i) * p.C + c];
-            float acc = 0.0f;
+        for (int i0 = 0; i0 < L; i0 += 8) { // eight inputs in flight, then the window slides over them
+            float in[8];
 #pragma unroll
-            for (int u = 0; u < DN_MAX_K; ++u) acc += w[u] * win[u];
-            tile[i * pitch + j] = silu_f(acc);
+            for (int e = 0; e < 8; ++e) in[e] = i0 + e < L ? qkv[(i64)(t0 + i0 + e) * p.C + c] : 0.0f;
 #pragma unroll
-            for (int u = 0; u < DN_MAX_K - 1; ++u) win[u] = win[u + 1];
+            for (int e = 0; e < 8; ++e) {
+                if (i0 + e >= L) break;
+                win[DN_MAX_K - 1] = in[e];
+                float acc = 0.0f;
+#pragma unroll
+                for (int u = 0; u < DN_MAX_K; ++u) acc += w[u] * win[u];
+                tile[(i0 + e) * pitch + j] = silu_f(acc);
+#pragma unroll
+                for (int u = 0; u < DN_MAX_K - 1; ++u) win[u] = win[u + 1];
+            }
         }
     }
     __syncthreads();
@@ -129,13 +166,13 @@ struct DnChunkParams {
 };
 
 extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunkParams p) {
-    extern __shared__ float sm[];
+    extern __shared__ __align__(16) float sm[];
     const int chunk = blockIdx.x, h = blockIdx.y, kh = h / (p.Hv / p.Hk);
     const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
-    const int Dk = p.Dk, Dv = p.Dv, kp = Dk + 1, cols = Dv + Dk;
-    const int region = max(2 * DN_CHUNK * kp, DN_CHUNK * cols);
-    float* qs = sm;                     // phase 1: [64, Dk+1]
-    float* ks = sm + DN_CHUNK * kp;     // phase 1: [64, Dk+1]
+    const int Dk = p.Dk, Dv = p.Dv, kp = Dk + 4, cols = Dv + Dk; // rows of Dk + 4: 16-byte aligned,
+    const int region = max(2 * DN_CHUNK * kp, DN_CHUNK * cols);      // 8 rows hit 8 distinct 16 B slots
+    float* qs = sm;                     // phase 1: [64, Dk+4]
+    float* ks = sm + DN_CHUNK * kp;     // phase 1: [64, Dk+4]
     float* uw = sm;                     // phase 2: [64, Dv+Dk] (aliases qs, ks)
     float* As = sm + region;            // [64, 65]
     float* cum = As + DN_CHUNK * 65;    // [64]
@@ -155,12 +192,8 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunk
         cum[tid] = g; // log decay, summed below
         beta[tid] = bt;
     }
-    for (int i = tid; i < DN_CHUNK * Dk; i += blockDim.x) {
-        const int r = i / Dk, d = i - r * Dk;
-        const bool valid = r < L;
-        qs[r * kp + d] = valid ? x[(i64)(t0 + r) * p.C + q_col + d] : 0.0f;
-        ks[r * kp + d] = valid ? x[(i64)(t0 + r) * p.C + k_col + d] : 0.0f;
-    }
+    dn_load_tile(qs, kp, x + (i64)t0 * p.C + q_col, p.C, DN_CHUNK, L, Dk);
+    dn_load_tile(ks, kp, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
     __syncthreads();
     if (tid == 0) { // c_i = Σ_{j≤i} g_j, in order (as the CPU)
         float run = 0.0f;
@@ -173,20 +206,26 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunk
     for (int a = 0; a < 4; ++a)
 #pragma unroll
         for (int b = 0; b < 4; ++b) { accA[a][b] = 0.0f; accQ[a][b] = 0.0f; }
-    for (int d = 0; d < Dk; ++d) {
-        float ki[4], qi[4], kj[4];
+    for (int d = 0; d < Dk; d += 4) { // 16-byte reads: (ti) rows broadcast, (tj) rows conflict-free
+        float4 ki[4], qi[4], kj[4];
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
-            ki[a] = ks[(ti + 16 * a) * kp + d];
-            qi[a] = qs[(ti + 16 * a) * kp + d];
-            kj[a] = ks[(tj + 16 * a) * kp + d];
+            ki[a] = *(const float4*)&ks[(ti + 16 * a) * kp + d];
+            qi[a] = *(const float4*)&qs[(ti + 16 * a) * kp + d];
+            kj[a] = *(const float4*)&ks[(tj + 16 * a) * kp + d];
         }
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int b = 0; b < 4; ++b) {
-                accA[a][b] = fmaf(ki[a], kj[b], accA[a][b]);
-                accQ[a][b] = fmaf(qi[a], kj[b], accQ[a][b]);
+                accA[a][b] = fmaf(ki[a].x, kj[b].x, accA[a][b]);
+                accA[a][b] = fmaf(ki[a].y, kj[b].y, accA[a][b]);
+                accA[a][b] = fmaf(ki[a].z, kj[b].z, accA[a][b]);
+                accA[a][b] = fmaf(ki[a].w, kj[b].w, accA[a][b]);
+                accQ[a][b] = fmaf(qi[a].x, kj[b].x, accQ[a][b]);
+                accQ[a][b] = fmaf(qi[a].y, kj[b].y, accQ[a][b]);
+                accQ[a][b] = fmaf(qi[a].z, kj[b].z, accQ[a][b]);
+                accQ[a][b] = fmaf(qi[a].w, kj[b].w, accQ[a][b]);
             }
     }
     __syncthreads(); // cum ready; qs/ks may be overwritten from here on
@@ -201,20 +240,17 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunk
             As[i * 65 + j] = (in && j < i) ? beta[i] * accA[a][b] * decay : 0.0f; // A_ij = β_i (k_i·k_j) e^{c_i−c_j}
             aqk[i * DN_CHUNK + j] = (in && j <= i) ? accQ[a][b] * decay : 0.0f;   // (q_i·k_j) e^{c_i−c_j}
         }
-    // [U | W] initial rows: U_i = β_i v_i, W_i = β_i k_i e^{c_i}; one thread per column.
+    // [U | W] rows: v_i and k_i (zeros past L), scaled below
+    dn_load_tile(uw, cols, x + (i64)t0 * p.C + v_col, p.C, DN_CHUNK, L, Dv);
+    dn_load_tile(uw + Dv, cols, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
+    __syncthreads(); // As and the rows complete
+    // One thread per column: U_i = β_i v_i, W_i = β_i k_i e^{c_i}, then forward substitution on
+    // (I + A): row i −= Σ_{j<i} A_ij row j. Each thread touches only its column: no barrier.
     for (int col = tid; col < cols; col += blockDim.x) {
-        for (int i = 0; i < DN_CHUNK; ++i) {
-            float v = 0.0f;
-            if (i < L) {
-                const float* row = x + (i64)(t0 + i) * p.C;
-                v = col < Dv ? beta[i] * row[v_col + col] : beta[i] * row[k_col + (col - Dv)] * expf(cum[i]);
-            }
-            uw[i * cols + col] = v;
+        for (int i = 0; i < L; ++i) {
+            const float v = uw[i * cols + col];
+            uw[i * cols + col] = col < Dv ? beta[i] * v : beta[i] * v * expf(cum[i]);
         }
-    }
-    __syncthreads(); // As complete
-    // Forward substitution on (I + A): row i −= Σ_{j<i} A_ij row j. Each thread touches only its column.
-    for (int col = tid; col < cols; col += blockDim.x) {
         for (int i = 1; i < L; ++i) {
             float v = uw[i * cols + col];
             for (int j = 0; j < i; ++j) v = fmaf(-As[i * 65 + j], uw[j * cols + col], v);
@@ -242,16 +278,16 @@ struct DnScanParams {
 };
 
 extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan(const DnScanParams p) {
-    extern __shared__ float sm[];
+    extern __shared__ __align__(16) float sm[];
     const int h = blockIdx.y, kh = h / (p.Hv / p.Hk), j0 = blockIdx.x * DN_BV;
-    const int Dk = p.Dk, Dv = p.Dv, kp = Dk + 1, bv = min(DN_BV, Dv - j0);
-    float* Ws = sm;                        // [64, Dk+1]
-    float* qs = Ws + DN_CHUNK * kp;        // [64, Dk+1]
-    float* ks = qs + DN_CHUNK * kp;        // [64, Dk+1]
-    float* S = ks + DN_CHUNK * kp;         // [32, Dk+1]: S[j][d] = state column j0+j
+    const int Dk = p.Dk, Dv = p.Dv, kp = Dk + 4, bv = min(DN_BV, Dv - j0); // rows of Dk + 4 floats:
+    float* Ws = sm;                        // [64, Dk+4]    16-byte aligned, and the 8 rows of one
+    float* qs = Ws + DN_CHUNK * kp;        // [64, Dk+4]    16-byte read phase fall in distinct slots
+    float* ks = qs + DN_CHUNK * kp;        // [64, Dk+4]
+    float* S = ks + DN_CHUNK * kp;         // [32, Dk+4]: S[j][d] = state column j0+j
     float* Us = S + DN_BV * kp;            // [64, 33]
-    float* vn = Us + DN_CHUNK * 33;        // [64, 33]
-    float* Aq = vn + DN_CHUNK * 33;        // [64, 65]
+    float* vn = Us + DN_CHUNK * 33;        // [64, 36]
+    float* Aq = vn + DN_CHUNK * 36;        // [64, 65]
     float* cum = Aq + DN_CHUNK * 65;       // [64]
     float* ek = cum + DN_CHUNK;            // [64] e^{c_L − c_i}
     const int tid = threadIdx.x;
@@ -263,96 +299,114 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan(const DnSca
         const int j = i / Dk, d = i - j * Dk;
         S[j * kp + d] = j < bv ? state[(i64)j * Dk + d] : 0.0f;
     }
+    for (int i = tid; i < DN_CHUNK * 33; i += blockDim.x) Us[i] = 0.0f; // columns ≥ bv stay zero
     const int ti = tid >> 4, tj = tid & 15;  // (v', o): rows ti + 16a, columns tj + 16b
     const int jg = tid >> 5, dl = tid & 31;  // (S): columns 4·jg + e, key dims dl + 32f
     const int nchunks = (p.T + DN_CHUNK - 1) / DN_CHUNK;
     for (int chunk = 0; chunk < nchunks; ++chunk) {
         const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
         __syncthreads(); // previous chunk done with every buffer
-        for (int i = tid; i < DN_CHUNK * Dk; i += blockDim.x) {
-            const int r = i / Dk, d = i - r * Dk;
-            const bool valid = r < L;
-            const i64 tr = (i64)(t0 + r);
-            Ws[r * kp + d] = valid ? ((const float*)p.w_in)[(tr * p.Hv + h) * Dk + d] : 0.0f;
-            qs[r * kp + d] = valid ? x[tr * p.C + q_col + d] : 0.0f;
-            ks[r * kp + d] = valid ? x[tr * p.C + k_col + d] : 0.0f;
-        }
-        for (int i = tid; i < DN_CHUNK * DN_BV; i += blockDim.x) {
-            const int r = i / DN_BV, j = i - r * DN_BV;
-            Us[r * 33 + j] = (r < L && j < bv) ? ((const float*)p.u_in)[((i64)(t0 + r) * p.Hv + h) * Dv + j0 + j] : 0.0f;
-        }
-        const float* aqk = (const float*)p.aqk_in + ((i64)chunk * p.Hv + h) * DN_CHUNK * DN_CHUNK;
-        for (int i = tid; i < DN_CHUNK * DN_CHUNK; i += blockDim.x) Aq[(i >> 6) * 65 + (i & 63)] = aqk[i];
+        dn_load_tile(Ws, kp, (const float*)p.w_in + ((i64)t0 * p.Hv + h) * Dk, (i64)p.Hv * Dk, DN_CHUNK, L, Dk);
+        dn_load_tile(qs, kp, x + (i64)t0 * p.C + q_col, p.C, DN_CHUNK, L, Dk);
+        dn_load_tile(ks, kp, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
+        dn_load_tile(Us, 33, (const float*)p.u_in + ((i64)t0 * p.Hv + h) * Dv + j0, (i64)p.Hv * Dv, DN_CHUNK, L, bv);
+        dn_load_tile(Aq, 65, (const float*)p.aqk_in + ((i64)chunk * p.Hv + h) * DN_CHUNK * DN_CHUNK, DN_CHUNK,
+                     DN_CHUNK, DN_CHUNK, DN_CHUNK);
         if (tid < DN_CHUNK) cum[tid] = tid < L ? ((const float*)p.gcum_in)[(i64)(t0 + tid) * p.Hv + h] : 0.0f;
         __syncthreads();
         const float c_last = cum[L - 1];
         if (tid < DN_CHUNK) ek[tid] = tid < L ? expf(c_last - cum[tid]) : 0.0f;
 
-        // v'_ij = U_ij − Σ_d W_id S_jd
-        float qsum[4][2];
+        // v'_ij = U_ij − Σ_d W_id S_jd, and q_i·S_j (old state, for o), four key dims per step
+        float acc[4][2], qsum[4][2];
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
-            for (int b = 0; b < 2; ++b) qsum[a][b] = 0.0f;
-        {
-            float acc[4][2];
+            for (int b = 0; b < 2; ++b) { acc[a][b] = 0.0f; qsum[a][b] = 0.0f; }
+        for (int d = 0; d < Dk; d += 4) {
+            float4 wv[4], qv[4], sv[2];
 #pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int b = 0; b < 2; ++b) acc[a][b] = 0.0f;
-            for (int d = 0; d < Dk; ++d) {
-                float wv[4], qv[4], sv[2];
-#pragma unroll
-                for (int a = 0; a < 4; ++a) { wv[a] = Ws[(ti + 16 * a) * kp + d]; qv[a] = qs[(ti + 16 * a) * kp + d]; }
-#pragma unroll
-                for (int b = 0; b < 2; ++b) sv[b] = S[(tj + 16 * b) * kp + d];
-#pragma unroll
-                for (int a = 0; a < 4; ++a)
-#pragma unroll
-                    for (int b = 0; b < 2; ++b) {
-                        acc[a][b] = fmaf(wv[a], sv[b], acc[a][b]);
-                        qsum[a][b] = fmaf(qv[a], sv[b], qsum[a][b]); // q_i·S_j (old state, for o)
-                    }
+            for (int a = 0; a < 4; ++a) {
+                wv[a] = *(const float4*)&Ws[(ti + 16 * a) * kp + d];
+                qv[a] = *(const float4*)&qs[(ti + 16 * a) * kp + d];
             }
+#pragma unroll
+            for (int b = 0; b < 2; ++b) sv[b] = *(const float4*)&S[(tj + 16 * b) * kp + d];
 #pragma unroll
             for (int a = 0; a < 4; ++a)
 #pragma unroll
                 for (int b = 0; b < 2; ++b) {
-                    const int i = ti + 16 * a, j = tj + 16 * b;
-                    vn[i * 33 + j] = Us[i * 33 + j] - acc[a][b];
+                    acc[a][b] = fmaf(wv[a].x, sv[b].x, acc[a][b]);
+                    acc[a][b] = fmaf(wv[a].y, sv[b].y, acc[a][b]);
+                    acc[a][b] = fmaf(wv[a].z, sv[b].z, acc[a][b]);
+                    acc[a][b] = fmaf(wv[a].w, sv[b].w, acc[a][b]);
+                    qsum[a][b] = fmaf(qv[a].x, sv[b].x, qsum[a][b]);
+                    qsum[a][b] = fmaf(qv[a].y, sv[b].y, qsum[a][b]);
+                    qsum[a][b] = fmaf(qv[a].z, sv[b].z, qsum[a][b]);
+                    qsum[a][b] = fmaf(qv[a].w, sv[b].w, qsum[a][b]);
                 }
         }
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                const int i = ti + 16 * a, j = tj + 16 * b;
+                vn[i * 36 + j] = Us[i * 33 + j] - acc[a][b];
+            }
         __syncthreads(); // v' complete
-        // o_ij = e^{c_i} q_i·S_j + Σ_{l≤i} Aqk_il v'_lj
+        // o_ij = e^{c_i} q_i·S_j + Σ_l Aqk_il v'_lj  (Aqk is zero above the diagonal and past L)
+        float o[4][2];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const float ec = expf(cum[ti + 16 * a]);
+            o[a][0] = ec * qsum[a][0];
+            o[a][1] = ec * qsum[a][1];
+        }
+        for (int l = 0; l < L; ++l) {
+            const float v0 = vn[l * 36 + tj], v1 = vn[l * 36 + tj + 16];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const float aq = Aq[(ti + 16 * a) * 65 + l];
+                o[a][0] = fmaf(aq, v0, o[a][0]);
+                o[a][1] = fmaf(aq, v1, o[a][1]);
+            }
+        }
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
             const int i = ti + 16 * a;
-            if (i >= L) continue;
-            const float ec = expf(cum[i]);
 #pragma unroll
             for (int b = 0; b < 2; ++b) {
                 const int j = tj + 16 * b;
-                float o = ec * qsum[a][b];
-                for (int l = 0; l <= i; ++l) o = fmaf(Aq[i * 65 + l], vn[l * 33 + j], o);
-                if (j < bv) ((float*)p.o_out)[((i64)(t0 + i) * p.Hv + h) * Dv + j0 + j] = o;
+                if (i < L && j < bv) ((float*)p.o_out)[((i64)(t0 + i) * p.Hv + h) * Dv + j0 + j] = o[a][b];
             }
         }
-        // S_jd ← e^{c_L} S_jd + Σ_i (e^{c_L−c_i} k_id) v'_ij   (every thread finished reading S above:
-        // qsum/acc were consumed before the barrier)
+        // S_jd ← e^{c_L} S_jd + Σ_i (e^{c_L−c_i} k_id) v'_ij   (every read of S above finished before
+        // the last barrier)
         const float decay = expf(c_last);
-        for (int f = 0; f * 32 + dl < Dk; ++f) {
-            const int d = f * 32 + dl;
-            float s[4];
+        float sa[4][4]; // [f][e]: key dim dl + 32f, column 4·jg + e
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[e] = S[(4 * jg + e) * kp + d] * decay;
-            for (int i = 0; i < L; ++i) {
-                const float kd = ks[i * kp + d] * ek[i];
+        for (int f = 0; f < 4; ++f)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[e] = fmaf(kd, vn[i * 33 + 4 * jg + e], s[e]);
+            for (int e = 0; e < 4; ++e) sa[f][e] = (f * 32 + dl < Dk) ? S[(4 * jg + e) * kp + f * 32 + dl] * decay : 0.0f;
+        for (int i = 0; i < L; ++i) {
+            const float4 v4 = *(const float4*)&vn[i * 36 + 4 * jg]; // broadcast within the warp
+            const float e_i = ek[i];
+#pragma unroll
+            for (int f = 0; f < 4; ++f) {
+                if (f * 32 + dl < Dk) {
+                    const float kd = ks[i * kp + f * 32 + dl] * e_i;
+                    sa[f][0] = fmaf(kd, v4.x, sa[f][0]);
+                    sa[f][1] = fmaf(kd, v4.y, sa[f][1]);
+                    sa[f][2] = fmaf(kd, v4.z, sa[f][2]);
+                    sa[f][3] = fmaf(kd, v4.w, sa[f][3]);
+                }
             }
-#pragma unroll
-            for (int e = 0; e < 4; ++e) S[(4 * jg + e) * kp + d] = s[e];
         }
+#pragma unroll
+        for (int f = 0; f < 4; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (f * 32 + dl < Dk) S[(4 * jg + e) * kp + f * 32 + dl] = sa[f][e];
     }
     __syncthreads();
     for (int i = tid; i < bv * Dk; i += blockDim.x) {

@@ -18,7 +18,8 @@
 //
 // Shapes: X [rows, lda] bf16 planes; W [N (per expert), K], K % 64 == 0; Y [M, ldo].
 // Launch: grid (⌈N/128⌉, ⌈M/128⌉ or max tiles), block 256 (8 warps as 2 (M) × 4 (N), warp tile
-//   64×32 = 4×4 mma tiles), dynamic smem 2 stages × planes × 16 KiB (64 KiB fast, 128 KiB split).
+//   64×32 = 4×4 mma tiles), dynamic smem 2 stages × planes × 16 KiB (64 KiB fast, 128 KiB split);
+//   two blocks per SM for fast q4/q8/bf16 (≤ 128 registers), one otherwise.
 //   Per k-tile of 64: A by cp.async (zero-filled past the end), B by 16-byte register loads issued
 //   before the current tile's mma and dequantised into the other stage after them.
 // FLOPs 2·M·N·K (×3 split). Bytes: W once per M-tile (L2 serves repeats), X once per N-tile.
@@ -147,6 +148,25 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 *(uint4*)(hi_tile + gemm_swz(r, uu)) = b_raw[i]; // exact: no conversion, no lo plane
                 continue;
             }
+            if (FMT == FMT_Q4 && !SPLIT) {
+                // bf16 bits 0x4300 | q = 128 + q exactly, so w = s·(128 + q) + (b − 128·s): no
+                // integer→float conversion, and two weights rounded to bf16 per instruction.
+                const float s = b_par[i].x, b = b_par[i].y - 128.0f * s;
+                const u32 words[4] = {b_raw[i].x, b_raw[i].y, b_raw[i].z, b_raw[i].w};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) { // word q = weights 8q..8q+7 = one 16-byte chunk
+                    u32 out[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) { // weights 2e, 2e+1 of the word (low nibble first)
+                        const u32 pr = ((words[q] >> (8 * e)) & 0xFu) | (((words[q] >> (8 * e + 4)) & 0xFu) << 16) | 0x43004300u;
+                        const float w0 = fmaf(s, __uint_as_float(pr << 16), b);
+                        const float w1 = fmaf(s, __uint_as_float(pr & 0xffff0000u), b);
+                        out[e] = cvt_bf16x2(w0, w1);
+                    }
+                    *(uint4*)(hi_tile + gemm_swz(r, uu * 4 + q)) = make_uint4(out[0], out[1], out[2], out[3]);
+                }
+                continue;
+            }
             float v[F::W];
             F::decode(b_raw[i], v, b_par[i].x, b_par[i].y);
             // groups of 4 weights → 8 bytes of bf16 at k = uu·W + 4q
@@ -258,18 +278,20 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     }
 }
 
-#define GEMM_KERNELS(suffix, FMT)                                                                      \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_##suffix##_fast(const GemmParams p) {  \
+// Fast q4/q8/bf16 fit in 128 registers without spills (ptxas -v), so two blocks share an SM (16 warps
+// to hide the weight loads); f32/f16 fast and every split variant need more and run one per SM.
+#define GEMM_KERNELS(suffix, FMT, FAST_BLOCKS)                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, FAST_BLOCKS) gemm_##suffix##_fast(const GemmParams p) { \
         gemm_body<FMT, 0>(p);                                                                          \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_##suffix##_split(const GemmParams p) { \
         gemm_body<FMT, 1>(p);                                                                          \
     }
-GEMM_KERNELS(f32, FMT_F32)
-GEMM_KERNELS(bf16, FMT_BF16)
-GEMM_KERNELS(f16, FMT_F16)
-GEMM_KERNELS(q4, FMT_Q4)
-GEMM_KERNELS(q8, FMT_Q8)
+GEMM_KERNELS(f32, FMT_F32, 1)
+GEMM_KERNELS(bf16, FMT_BF16, 2)
+GEMM_KERNELS(f16, FMT_F16, 1)
+GEMM_KERNELS(q4, FMT_Q4, 2)
+GEMM_KERNELS(q8, FMT_Q8, 2)
 
 // ---------------------------------------------------------------- RMSNorm rows → bf16 planes
 // x̂[t] = x[t]·(1/√(mean(x[t]²) + eps))·gain   (gain = 1 + w; no norm when gain is null: a plain

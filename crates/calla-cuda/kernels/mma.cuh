@@ -49,6 +49,13 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
 }
 
+// Two f32 → packed bf16 pair (low half = lo), one hardware conversion (round to nearest even).
+__device__ __forceinline__ u32 cvt_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); // first source → upper half
+    return r;
+}
+
 // The split of an f32 into bf16 hi + bf16 lo (v ≈ hi + lo to ~16 bits of mantissa): "split"
 // precision runs the products hi·hi + lo·hi (+ hi·lo) on the tensor cores.
 __device__ __forceinline__ void split_bf16(float v, u16& hi, u16& lo) {

@@ -81,8 +81,8 @@ pub fn check_dims(spec: &ModelSpec) -> Result<()> {
         "DeltaNet prefill: {hv} value heads over {hk} key heads"
     );
     ensure!(
-        (1..=128).contains(&dk) && (1..=256).contains(&dv),
-        "DeltaNet prefill supports key head dims ≤ 128 and value head dims ≤ 256 (got {dk}, {dv})"
+        (1..=128).contains(&dk) && (1..=256).contains(&dv) && dk % 4 == 0 && dv % 4 == 0,
+        "DeltaNet prefill supports key head dims ≤ 128 and value head dims ≤ 256, multiples of 4 (got {dk}, {dv})"
     );
     ensure!(
         (1..=MAX_K).contains(&spec.linear_conv_kernel_dim),
@@ -260,7 +260,8 @@ pub fn prefill_core(
         dk: dims.2,
         dv: dims.3,
     };
-    let region = (2 * CHUNK * (dk + 1)).max(CHUNK * (dv + dk));
+    // (kernel layout: q, k rows of Dk + 4 floats, aliased later by [U | W]; A; cumulative gates; β)
+    let region = (2 * CHUNK * (dk + 4)).max(CHUNK * (dv + dk));
     let chunk_smem = (region + CHUNK * 65 + 2 * CHUNK) * 4;
     out.push(Launch::new(
         gpu,
@@ -286,8 +287,9 @@ pub fn prefill_core(
         dk: dims.2,
         dv: dims.3,
     };
-    let scan_smem =
-        (3 * CHUNK * (dk + 1) + BV * (dk + 1) + 2 * CHUNK * 33 + CHUNK * 65 + 2 * CHUNK) * 4;
+    // (kernel layout: W, q, k rows and the S tile of Dk + 4 floats; U [64, 33]; v' [64, 36];
+    // Aqk [64, 65]; cumulative gates and decays)
+    let scan_smem = ((3 * CHUNK + BV) * (dk + 4) + CHUNK * (33 + 36 + 65) + 2 * CHUNK) * 4;
     out.push(Launch::new(
         gpu,
         "prefill_dn_scan",

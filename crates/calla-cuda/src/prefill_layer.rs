@@ -417,3 +417,94 @@ pub fn prefill_ffn(
     }
     Ok(out)
 }
+
+/// A whole prompt through every layer, in chunks of at most `max_tokens`: the entry point for the
+/// backend's prompt path (`prefill::run_prompt_tokens`). Owns the scratch and the residual rows.
+pub struct PromptRunner {
+    pub scratch: PrefillScratch,
+    /// f32 `[max_tokens, D]`: the chunk's residual stream
+    pub h: DPtr,
+    pub opts: PrefillOptions,
+}
+
+impl PromptRunner {
+    pub fn new(
+        arena: &mut Arena,
+        spec: &ModelSpec,
+        max_tokens: usize,
+        opts: PrefillOptions,
+    ) -> Result<PromptRunner> {
+        let scratch = PrefillScratch::new(arena, spec, max_tokens)?;
+        let h = arena.alloc_zeroed(max_tokens * spec.hidden_size * 4)?;
+        Ok(PromptRunner { scratch, h, opts })
+    }
+
+    /// Run `tokens` at positions `p0..` through every layer, advancing the sequence whose state
+    /// starts at `state_base` (laid out as `layout`). When `last_h` is given, the last token's
+    /// residual row is copied there (the decode step's h `[D]`, for the head). Everything is
+    /// queued on the stream; nothing is read back. Token ids must already be checked (< vocab).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        gpu: &Gpu,
+        spec: &ModelSpec,
+        model: &DevModel,
+        layout: &crate::forward::StateLayout,
+        state_base: DPtr,
+        p0: usize,
+        tokens: &[u32],
+        last_h: Option<DPtr>,
+    ) -> Result<()> {
+        ensure!(!tokens.is_empty(), "prefill: no tokens");
+        ensure!(
+            p0 + tokens.len() <= layout.max_ctx,
+            "prefill: positions {p0}..{} exceed the {} the state holds",
+            p0 + tokens.len(),
+            layout.max_ctx
+        );
+        let d = spec.hidden_size;
+        let mut pos = p0;
+        let mut last_rows = 0;
+        for chunk in tokens.chunks(self.scratch.max_tokens) {
+            let t = chunk.len();
+            let ids: Vec<i32> = chunk.iter().map(|&x| x as i32).collect();
+            gpu.htod(self.scratch.tokens, &ids)?; // ordered after the previous chunk's kernels
+            prefill_embed(gpu, model, &self.scratch, t, self.h)?.run(gpu)?;
+            for (il, kind) in spec.layers.iter().enumerate() {
+                let (a, b) = layout.layers[il];
+                let state = match kind {
+                    calla_model::LayerKind::DeltaNet => LayerState::DeltaNet {
+                        conv_ring: state_base.offset(a),
+                        state: state_base.offset(b),
+                    },
+                    calla_model::LayerKind::Attention => LayerState::Attention {
+                        k_cache: state_base.offset(a),
+                        v_cache: state_base.offset(b),
+                        max_ctx: layout.max_ctx,
+                        kv: layout.kv,
+                    },
+                };
+                for l in prefill_layer(
+                    gpu,
+                    spec,
+                    model,
+                    il,
+                    state,
+                    &self.scratch,
+                    self.h,
+                    pos,
+                    t,
+                    &self.opts,
+                )? {
+                    l.run(gpu)?;
+                }
+            }
+            pos += t;
+            last_rows = t;
+        }
+        if let Some(dst) = last_h {
+            gpu.dtod(dst, self.h.offset((last_rows - 1) * d * 4), d * 4)?;
+        }
+        Ok(())
+    }
+}
