@@ -128,10 +128,38 @@ __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
     for (int base = t0; base < t1; base += ATTN_TILE) {
         const int n = min(ATTN_TILE, t1 - base);
         __syncthreads(); // previous tile fully consumed (and q_s written, first time)
-        for (int i = tid; i < n * Dh; i += blockDim.x) {
-            const int t = i / Dh, d = i - t * Dh;
-            k_s[t * kp + d] = kc[(i64)(base + t) * Dh + d];
-            v_s[t * Dh + d] = vc[(i64)(base + t) * Dh + d];
+        // The tile's K and V rows are contiguous in the cache: 16-byte loads, four per thread issued
+        // before any store (one memory latency per tile, not one per element); V rows keep their
+        // 16-byte alignment in shared memory, K rows go to the padded pitch as 4-byte words.
+        {
+            constexpr int EPV = 16 / sizeof(KV);
+            const int vecs = n * Dh / EPV;
+            const KV* kt = kc + (i64)base * Dh;
+            const KV* vt = vc + (i64)base * Dh;
+            for (int i0 = tid; i0 < vecs; i0 += blockDim.x * 4) {
+                uint4 kr[4], vr[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int i = i0 + u * blockDim.x;
+                    if (i < vecs) {
+                        kr[u] = *(const uint4*)(kt + (i64)i * EPV);
+                        vr[u] = *(const uint4*)(vt + (i64)i * EPV);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int i = i0 + u * blockDim.x;
+                    if (i < vecs) {
+                        const int e = i * EPV, t = e / Dh, d = e - t * Dh;
+                        u32* kd = (u32*)(k_s + t * kp + d);
+                        kd[0] = kr[u].x;
+                        kd[1] = kr[u].y;
+                        kd[2] = kr[u].z;
+                        kd[3] = kr[u].w;
+                        *(uint4*)(v_s + t * Dh + d) = vr[u];
+                    }
+                }
+            }
         }
         __syncthreads();
         // scores: lane t ↔ position base + t

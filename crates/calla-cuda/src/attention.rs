@@ -232,5 +232,5 @@ pub fn decode(
 /// Splits of the KV range: enough blocks to fill the GPU at long context, never more than the
 /// context has tiles.
 pub fn num_splits(max_ctx: usize) -> usize {
-    max_ctx.div_ceil(TILE).clamp(1, 64)
+    max_ctx.div_ceil(TILE).clamp(1, 128)
 }
