@@ -46,7 +46,7 @@ echo "engine vs transformers: $(( $(date +%s) - start )) s"
 echo
 echo "| check                                          | shape                      |  max error |     where | of tol.  |      |"
 echo "|------------------------------------------------|----------------------------|-----------:|----------:|---------:|------|"
-cat "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-transformers.log 2>/dev/null | grep '^| '
+cat "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-transformers.log 2>/dev/null | sed -E 's/^test [^ ]+ \.\.\. //' | grep '^| '
 echo
 grep -h -E '^test .*(ok|FAILED|ignored)$|^test result|panicked|^error' "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-transformers.log | grep -v '^test result: ok. 0 passed' | head -40
 grep -q 'FAIL |' "$LOGS"/*.log && status=1
