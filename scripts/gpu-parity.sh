@@ -37,6 +37,39 @@ echo "kernel checks: $(( $(date +%s) - start )) s"
 start=$(date +%s)
 run_tests engine-cpu 180 engine_matches_cpu
 echo "engine vs CPU: $(( $(date +%s) - start )) s"
+# The CLI end to end on every fixture: `calla generate --json` on cuda vs cpu (64 greedy tokens).
+start=$(date +%s)
+for dir in tests/fixtures/models/*/; do
+    name=$(basename "$dir")
+    ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('tests/fixtures/goldens/$name.json'))['prompt_ids'])))")
+    for dev in cpu cuda; do
+        timeout 120 "$BIN/calla" generate --model "$dir" --prompt-ids "$ids" --max-tokens 64 --ignore-eos \
+            --logprobs 5 --json --device $dev > "$LOGS/gen-$dev.json" 2>> "$LOGS/generate.log" || echo "generate $name $dev failed" >> "$LOGS/generate.log"
+    done
+    python3 - "$LOGS/gen-cpu.json" "$LOGS/gen-cuda.json" "$name" >> "$LOGS/cli.log" 2>&1 <<'PY'
+import json, sys
+try:
+    a, b = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+except Exception as e:
+    print(f"| calla generate cuda vs cpu: {sys.argv[3]:<27} | --json, 64 tokens | (no output: {e}) | | | FAIL |")
+    sys.exit(0)
+same = 0
+for x, y in zip(a["token_ids"], b["token_ids"]):
+    if x != y:
+        break
+    same += 1
+worst = 0.0
+for s in range(same):
+    ref = {e["id"]: e["logprob"] for e in a["logprobs"][s]}
+    for e in b["logprobs"][s]:
+        if e["id"] in ref:
+            worst = max(worst, abs(ref[e["id"]] - e["logprob"]))
+n = len(a["token_ids"])
+ok = same == n == len(b["token_ids"]) and worst <= 2e-2 and a["text"] == b["text"]
+print(f"| calla generate cuda vs cpu: {sys.argv[3]:<19} | --json, {n} tokens | {same}/{n} | Δlp {worst:.1e} | | {'PASS' if ok else 'FAIL'} |")
+PY
+done
+echo "calla generate cuda vs cpu: $(( $(date +%s) - start )) s"
 wait $py_pid
 tail -n 3 "$LOGS/real-shape-py.log"
 start=$(date +%s)
@@ -46,7 +79,7 @@ echo "engine vs transformers: $(( $(date +%s) - start )) s"
 echo
 echo "| check                                          | shape                      |  max error |     where | of tol.  |      |"
 echo "|------------------------------------------------|----------------------------|-----------:|----------:|---------:|------|"
-cat "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-transformers.log 2>/dev/null | sed -E 's/^test [^ ]+ \.\.\. //' | grep '^| '
+cat "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/cli.log "$LOGS"/engine-transformers.log 2>/dev/null | sed -E 's/^test [^ ]+ \.\.\. //' | grep '^| '
 echo
 grep -h -E '^test .*(ok|FAILED|ignored)$|^test result|panicked|^error' "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-transformers.log | grep -v '^test result: ok. 0 passed' | head -40
 grep -q 'FAIL |' "$LOGS"/*.log && status=1
