@@ -22,6 +22,7 @@ use crate::gpu::{Gpu, Launch};
 use crate::graph::StepGraph;
 use crate::pool::Arena;
 use crate::prefill;
+use crate::gemm::Precision;
 use crate::select::Selector;
 use crate::sequence::{CudaSequence, FailedSnapshot};
 use crate::weights::{self, DevModel};
@@ -39,6 +40,12 @@ pub struct CudaOptions {
     pub use_graphs: bool,
     /// Print an upload progress bar on stderr.
     pub progress: bool,
+    /// Prompt tokens per batched prefill chunk (prefill_layer.rs); 0 runs prompts token by token
+    /// through the decode chain.
+    pub prompt_chunk: usize,
+    /// Precision of the batched prompt's weight products: Split (≈ f32, the default: prompts
+    /// agree with the f32 decode path and the CPU reference) or Fast (bf16 activations).
+    pub prompt_precision: Precision,
 }
 
 impl Default for CudaOptions {
@@ -49,6 +56,8 @@ impl Default for CudaOptions {
             kv_cache: KvDtype::F32,
             use_graphs: true,
             progress: false,
+            prompt_chunk: 2048,
+            prompt_precision: Precision::Split,
         }
     }
 }
@@ -93,6 +102,10 @@ pub struct CudaBackend {
     graphs: Option<Graphs>,
     cursor_mirror: Option<Cursor>,
     pub report: CudaLoadReport,
+    pub(crate) prompt_chunk: usize,
+    pub(crate) prompt_precision: Precision,
+    /// the batched prompt path (with its own arena), made on the first prompt (prefill.rs)
+    pub(crate) prompt: Option<prefill::PromptPath>,
     // Arenas last: dropped after everything that points into them.
     _scratch_arena: Arena,
     _weights_arena: Arena,
@@ -177,6 +190,9 @@ impl CudaBackend {
             graphs: None,
             cursor_mirror: None,
             report,
+            prompt: None,
+            prompt_chunk: opts.prompt_chunk,
+            prompt_precision: opts.prompt_precision,
             _scratch_arena: scratch_arena,
             _weights_arena: weights_arena,
         };
