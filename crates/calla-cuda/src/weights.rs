@@ -7,6 +7,7 @@
 //! - experts stacked per layer: `[E·2I, D]` gate/up (expert e's gate rows, then its up rows) and
 //!   `[E·D, I]` down, so kernels address an expert by its device id with no gather;
 //! - norms as gains `1 + w` (f32), RoPE inverse frequencies, DeltaNet constants as f32.
+//!
 //! Projections that share an input are launched together as segments of one matvec (matvec.rs).
 
 use std::sync::Arc;
@@ -158,7 +159,7 @@ pub fn device_format(name: &str, m: &Matrix) -> Result<(Format, usize, bool)> {
             (f, *group_size, *param_dtype != DType::BF16)
         }
     };
-    if m.cols % format.per_unit() != 0 {
+    if !m.cols.is_multiple_of(format.per_unit()) {
         bail!(
             "{name}: {} columns; the cuda kernels need a multiple of {} for {}",
             m.cols,
