@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Result};
 
-use crate::backend::{Backend, Selection, TokenChoice};
+use crate::backend::{Backend, Selection, Sequence, TokenChoice};
 use crate::sampling::SamplingParams;
 
 #[derive(Debug, Clone)]
@@ -78,35 +78,46 @@ impl GenerateOutput {
     }
 }
 
-/// Generate for `req` on `backend`, calling `on_token` with each emitted token.
+/// Generate for `req` on `backend` from a fresh sequence, calling `on_token` with each emitted token.
 pub fn generate(
     backend: &mut dyn Backend,
     req: &GenerateRequest,
-    mut on_token: impl FnMut(&TokenChoice) -> ControlFlow<()>,
+    on_token: impl FnMut(&TokenChoice) -> ControlFlow<()>,
 ) -> Result<GenerateOutput> {
     ensure!(
         !req.prompt.is_empty(),
         "the prompt is empty (this model family has no BOS token)"
     );
+    let started = Instant::now();
+    if req.max_tokens == 0 {
+        return Ok(GenerateOutput::empty(req));
+    }
+    let mut seq = backend.new_sequence()?;
+    generate_on(backend, seq.as_mut(), req, started, on_token)
+}
+
+/// The generation loop on a sequence that already holds the first `seq.len()` tokens of `req.prompt`
+/// (a restored prefix, or nothing): runs the rest of the prompt, then one token at a time. Timings
+/// count from `started`.
+pub fn generate_on(
+    backend: &mut dyn Backend,
+    seq: &mut dyn Sequence,
+    req: &GenerateRequest,
+    started: Instant,
+    mut on_token: impl FnMut(&TokenChoice) -> ControlFlow<()>,
+) -> Result<GenerateOutput> {
+    ensure!(
+        seq.len() < req.prompt.len(),
+        "the sequence already holds {} tokens; the prompt has {}: nothing left to run",
+        seq.len(),
+        req.prompt.len()
+    );
     let mut stop_ids = req.stop_token_ids.clone();
     if !req.ignore_eos {
         stop_ids.extend(&backend.spec().eos_token_ids);
     }
-    let mut out = GenerateOutput {
-        tokens: Vec::new(),
-        choices: Vec::new(),
-        finish_reason: FinishReason::Length,
-        stop_token: None,
-        prompt_tokens: req.prompt.len(),
-        timings: Timings::default(),
-    };
-    if req.max_tokens == 0 {
-        return Ok(out);
-    }
-
-    let start = Instant::now();
-    let mut seq = backend.new_sequence()?;
-    let mut input: Vec<u32> = req.prompt.clone();
+    let mut out = GenerateOutput::empty(req);
+    let mut input: Vec<u32> = req.prompt[seq.len()..].to_vec();
     for step in 0..req.max_tokens {
         let sel = Selection {
             params: &req.sampling,
@@ -115,9 +126,9 @@ pub fn generate(
             step: step as u64,
             top_logprobs: req.top_logprobs,
         };
-        let choice = backend.step(seq.as_mut(), &input, &sel)?;
+        let choice = backend.step(seq, &input, &sel)?;
         if step == 0 {
-            out.timings.prefill_s = start.elapsed().as_secs_f64();
+            out.timings.prefill_s = started.elapsed().as_secs_f64();
         }
         if stop_ids.contains(&choice.token) {
             out.stop_token = Some(choice);
@@ -133,14 +144,26 @@ pub fn generate(
             break;
         }
     }
-    out.timings.decode_s = start.elapsed().as_secs_f64() - out.timings.prefill_s;
+    out.timings.decode_s = (started.elapsed().as_secs_f64() - out.timings.prefill_s).max(0.0);
     Ok(out)
+}
+
+impl GenerateOutput {
+    fn empty(req: &GenerateRequest) -> Self {
+        GenerateOutput {
+            tokens: Vec::new(),
+            choices: Vec::new(),
+            finish_reason: FinishReason::Length,
+            stop_token: None,
+            prompt_tokens: req.prompt.len(),
+            timings: Timings::default(),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Sequence;
     use calla_model::{Family, FeedForwardSpec, ModelSpec};
     use std::any::Any;
 

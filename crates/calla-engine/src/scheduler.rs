@@ -25,6 +25,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, Selection, Sequence, TokenChoice};
+use crate::generate::{generate_on, FinishReason, GenerateRequest};
 use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
 use crate::sampling::SamplingParams;
 
@@ -336,7 +337,8 @@ fn run_job(
 
     // Everything but the last prompt token, in chunks that end where states are saved; the tokens
     // chosen here are not used. The chunks depend only on the prompt and the cached length.
-    let last = prompt.len() - 1;
+    let prompt_len = prompt.len();
+    let last = prompt_len - 1;
     let mut save_at: Vec<usize> = job
         .save_prefixes
         .iter()
@@ -363,55 +365,45 @@ fn run_job(
         }
     }
 
-    let mut stop_ids = job.stop_token_ids.clone();
-    if !job.ignore_eos {
-        stop_ids.extend(&backend.spec().eos_token_ids);
-    }
-    let max_tokens = job.max_tokens.min(config.max_context - prompt.len());
+    let req = GenerateRequest {
+        prompt,
+        max_tokens: job.max_tokens.min(config.max_context - prompt_len),
+        sampling: job.sampling.clone(),
+        stop_token_ids: job.stop_token_ids.clone(),
+        ignore_eos: job.ignore_eos,
+        top_logprobs: job.top_logprobs,
+    };
     let mut report = JobReport {
-        finish: JobFinish::Length,
+        finish: JobFinish::Cancelled,
         tokens: Vec::new(),
         stop_token: None,
-        prompt_tokens: prompt.len(),
+        prompt_tokens: prompt_len,
         cached_tokens,
         queued,
         prefill: Duration::ZERO,
         decode: Duration::ZERO,
     };
-    let mut input: Vec<u32> = vec![prompt[last]];
-    for step in 0..max_tokens {
-        if cancelled(job) {
-            report.finish = JobFinish::Cancelled;
-            break;
-        }
-        let sel = Selection {
-            params: &job.sampling,
-            prompt: &prompt,
-            generated: &report.tokens,
-            step: step as u64,
-            top_logprobs: job.top_logprobs,
-        };
-        let choice = backend.step(seq.as_mut(), &input, &sel)?;
-        if step == 0 {
-            report.prefill = started.elapsed();
-        }
-        if stop_ids.contains(&choice.token) {
-            report.stop_token = Some(choice.token);
-            report.finish = JobFinish::Stop;
-            break;
-        }
-        report.tokens.push(choice.token);
-        input = vec![choice.token];
-        if job.sink.on_token(&choice).is_break() {
-            report.finish = if cancelled(job) {
-                JobFinish::Cancelled
-            } else {
-                JobFinish::Stop
-            };
-            break;
-        }
+    if cancelled(job) {
+        return Ok(report);
     }
-    report.decode = started.elapsed().saturating_sub(report.prefill);
+    // The sink may stop generation after any token; a client that went away is checked there too, so
+    // a cancelled request stops within one decode step.
+    let out = generate_on(backend, seq.as_mut(), &req, started, |choice| {
+        if job.sink.on_token(choice).is_break() || cancelled(job) {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    })?;
+    report.finish = match out.finish_reason {
+        FinishReason::Length => JobFinish::Length,
+        FinishReason::Stop if out.stop_token.is_none() && cancelled(job) => JobFinish::Cancelled,
+        FinishReason::Stop => JobFinish::Stop,
+    };
+    report.stop_token = out.stop_token.map(|choice| choice.token);
+    report.tokens = out.tokens;
+    report.prefill = Duration::from_secs_f64(out.timings.prefill_s);
+    report.decode = Duration::from_secs_f64(out.timings.decode_s);
     Ok(report)
 }
 
