@@ -8,7 +8,11 @@
 #                                  run spends no time compiling.
 #   scripts/gpu-prefill.sh run     on the device: every prefill test (CALLA_REQUIRE_GPU=1, so a
 #                                  missing GPU fails instead of skipping), then the lab at the real
-#                                  shape (LAB_T tokens, default 8192). Logs under $OUT.
+#                                  shape (LAB_T tokens, default 8192; LAB_T=0 skips it). Logs under $OUT.
+#   scripts/gpu-prefill.sh e2e CALLA "CONFIG" …
+#                                  on the device: `calla bench` end to end at the real shape (q4,
+#                                  8192-token prompt) once per CONFIG (extra bench flags, e.g.
+#                                  "--prompt-precision split --kv-cache f32"), one row each.
 #
 # With the device tool:  run(command="scripts/gpu-prefill.sh run", carry=[".gpu-prefill"])
 set -uo pipefail
@@ -53,12 +57,38 @@ run)
         echo "== $t: exit $rc in $(( $(date +%s) - start )) s; $(grep -c '^ok  ' "$OUT/$t.log") checks ok, $(grep -c '^FAIL' "$OUT/$t.log") failed"
         grep -E '^FAIL|panicked|error|^test .*FAILED' "$OUT/$t.log" | head -n 12
     done
-    timeout "${LAB_TIMEOUT:-200}" "$dir/lab_prefill" "${LAB_T:-8192}" > "$OUT/lab.log" 2>&1 || status=1
-    cat "$OUT/lab.log"
+    if [ "${LAB_T:-8192}" != 0 ]; then
+        timeout "${LAB_TIMEOUT:-200}" "$dir/lab_prefill" "${LAB_T:-8192}" > "$OUT/lab.log" 2>&1 || status=1
+        cat "$OUT/lab.log"
+    fi
+    exit $status
+    ;;
+e2e)
+    calla=$2
+    shift 2
+    OUT=${OUT:-/tmp/gpu-prefill-out}
+    mkdir -p "$OUT"
+    status=0
+    for cfg in "$@"; do
+        # shellcheck disable=SC2086 # CONFIG is a list of flags
+        if timeout 150 "$calla" bench --synthetic qwen3.6-35b-a3b --quant q4 --prompt-len "${E2E_T:-8192}" \
+            --gen-len "${E2E_GEN:-128}" --rounds 3 $cfg --json > "$OUT/e2e.json" 2> "$OUT/e2e.err"; then
+            python3 - "$OUT/e2e.json" "$cfg" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+p, d = r["prefill"], r["decode"][0]
+print(f"| {sys.argv[2] or '(defaults)':<52} | {p['precision']:<5} | {r['kv_cache']:<4} | {p['chunk']:>5} | "
+      f"{p['ttft_ms']:8.1f} ms | {p['tokens_per_s']:7.0f} tok/s | decode {d['tokens_per_s']:.1f} tok/s |")
+PY
+        else
+            status=1
+            echo "| $cfg | FAILED: $(tail -n 2 "$OUT/e2e.err" | tr '\n' ' ') |"
+        fi
+    done
     exit $status
     ;;
 *)
-    echo "usage: scripts/gpu-prefill.sh build|run" >&2
+    echo "usage: scripts/gpu-prefill.sh build|run|e2e CALLA CONFIG..." >&2
     exit 2
     ;;
 esac

@@ -14,6 +14,8 @@ use calla_cuda::weights::Format;
 use calla_cuda::KvDtype;
 use calla_model::load::Quant;
 
+use crate::device::PromptPrecision;
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Synthetic model preset: qwen3.6-35b-a3b (the real dims), cpu-mid, tiny.
@@ -43,6 +45,13 @@ pub struct Args {
     /// K/V cache element type: f32 or bf16.
     #[arg(long, default_value = "f32")]
     kv_cache: String,
+    /// Precision of the batched prompt products: split (≈ f32, the engine's default), fast (bf16),
+    /// auto (by weight format: fast for q4/bf16).
+    #[arg(long, value_enum, default_value_t = PromptPrecision::Split)]
+    prompt_precision: PromptPrecision,
+    /// Prompt tokens per batched prefill chunk (0: token by token through the decode graph).
+    #[arg(long, default_value_t = calla_cuda::CudaOptions::default().prompt_chunk)]
+    prompt_chunk: usize,
     /// Also time each kernel of the decode step on its own (launched one by one, CUDA events).
     #[arg(long)]
     profile: bool,
@@ -84,6 +93,8 @@ pub fn run(args: Args) -> Result<()> {
         kv_cache,
         seed: 0x00CA_11A0,
         profile: args.profile,
+        prompt_precision: args.prompt_precision.to_cuda(),
+        prompt_chunk: args.prompt_chunk,
     };
     let report = bench::run(&spec, &args.synthetic, &opts)?;
     if args.json {
@@ -116,8 +127,12 @@ fn print_table(r: &BenchReport) {
         r.launches_per_token
     );
     println!(
-        "prefill     {} tokens: TTFT {:.1} ms, {:.0} tok/s",
-        r.prefill.tokens, r.prefill.ttft_ms, r.prefill.tokens_per_s
+        "prefill     {} tokens ({} precision, chunks of {}): TTFT {:.1} ms, {:.0} tok/s",
+        r.prefill.tokens,
+        r.prefill.precision,
+        r.prefill.chunk,
+        r.prefill.ttft_ms,
+        r.prefill.tokens_per_s
     );
     println!("| context | tokens | ms/token | tok/s  | GB/token | GB/s   | of copy BW |");
     println!("|--------:|-------:|---------:|-------:|---------:|-------:|-----------:|");

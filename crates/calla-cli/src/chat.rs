@@ -19,7 +19,7 @@ use calla_server::params::SamplingFields;
 use calla_server::{start_runtime, AppState, RuntimeOptions, ServerConfig};
 use serde_json::{json, Map, Value as Json};
 
-use crate::device::{open_backend, Device};
+use crate::device::{open_backend, CudaFlags, Device};
 use crate::serve::demo_checkpoint;
 
 #[derive(clap::Args)]
@@ -29,6 +29,8 @@ pub struct Args {
     model: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
+    #[command(flatten)]
+    cuda: CudaFlags,
     /// Convert weights at load (q4, q8, bf16, f32).
     #[arg(long)]
     quant: Option<Quant>,
@@ -67,7 +69,7 @@ pub fn run(args: Args) -> Result<()> {
         }
     };
     let loaded = load_model(&dir, &LoadOptions { quant: args.quant })?;
-    let backend = open_backend(&loaded, args.device)?;
+    let backend = open_backend(&loaded, args.device, &args.cuda)?;
     let options = RuntimeOptions {
         max_queue: 4,
         max_context: args.max_context,

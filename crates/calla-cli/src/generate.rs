@@ -19,7 +19,7 @@ use calla_model::load::{load_model, LoadOptions, Quant};
 use calla_model::tokenizer::Tokenizer;
 use serde_json::json;
 
-use crate::device::{open_backend, Device};
+use crate::device::{open_backend, CudaFlags, Device};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -66,6 +66,8 @@ pub struct Args {
     json: bool,
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
+    #[command(flatten)]
+    cuda: CudaFlags,
     /// Convert the weights at load: q4 / q8 (MLX affine, group 64), bf16, f32.
     #[arg(long)]
     quant: Option<Quant>,
@@ -153,7 +155,7 @@ pub fn run(args: Args) -> Result<()> {
             "prompt token {id} (position {i}) is out of range: the model's vocab_size is {vocab}"
         );
     }
-    let mut backend = open_backend(&loaded, args.device)?;
+    let mut backend = open_backend(&loaded, args.device, &args.cuda)?;
     tracing::info!("{} on {}", args.model.display(), backend.describe());
 
     let req = GenerateRequest {

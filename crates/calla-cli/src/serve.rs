@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use calla_model::load::{load_model, LoadOptions, Quant};
 use calla_server::{start_runtime, AppState, RuntimeOptions, ServerConfig};
 
-use crate::device::{open_backend, Device};
+use crate::device::{open_backend, CudaFlags, Device};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -33,6 +33,8 @@ pub struct Args {
     served_model_name: Option<String>,
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
+    #[command(flatten)]
+    cuda: CudaFlags,
     /// Convert weights at load (q4, q8, bf16, f32); default: keep the stored formats.
     #[arg(long)]
     quant: Option<Quant>,
@@ -113,9 +115,9 @@ pub fn run(args: Args) -> Result<()> {
             max_context: args.max_context,
             prefix_cache_bytes: args.prefix_cache_mb << 20,
         };
-        let (device, quant) = (args.device, args.quant);
+        let (device, quant, cuda) = (args.device, args.quant, args.cuda);
         tokio::task::spawn_blocking(move || {
-            match load(&dir, device, quant, &options) {
+            match load(&dir, device, quant, &cuda, &options) {
                 Ok(runtime) => {
                     tracing::info!(
                         "ready: {} on {}, context {} tokens",
@@ -163,10 +165,11 @@ fn load(
     dir: &Path,
     device: Device,
     quant: Option<Quant>,
+    cuda: &CudaFlags,
     options: &RuntimeOptions,
 ) -> Result<calla_server::Runtime> {
     let loaded = load_model(dir, &LoadOptions { quant })?;
-    let backend = open_backend(&loaded, device)?;
+    let backend = open_backend(&loaded, device, cuda)?;
     start_runtime(dir, backend, loaded.generation.clone(), options)
 }
 

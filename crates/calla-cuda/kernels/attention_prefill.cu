@@ -101,14 +101,14 @@ __device__ __forceinline__ u32 ap_swz(int r, int c) {
 }
 
 // Rows [0, 64) of a KV tile (positions past `len` are zeros) into bf16 tiles: a bf16 cache by
-// cp.async; an f32 cache split into hi and lo tiles.
-template <int DH, bool SPLIT>
+// cp.async; an f32 cache (F32) rounded to bf16 hi tiles, and with SPLIT also the lo tiles.
+template <int DH, bool F32, bool SPLIT>
 __device__ __forceinline__ void ap_load_kv(u8* hi, u8* lo, const void* cache, int len) {
     constexpr int NCH = DH / 8;
     for (int c = threadIdx.x; c < AP_BKV * NCH; c += blockDim.x) {
         const int r = c / NCH, ch = c - r * NCH;
         const bool valid = r < len;
-        if (!SPLIT) {
+        if (!F32) {
             const u16* src = (const u16*)cache + (i64)(valid ? r : 0) * DH + ch * 8;
             cp_async16(smem_addr(hi + ap_swz<DH>(r, ch)), src, valid ? 16 : 0);
         } else {
@@ -130,7 +130,7 @@ __device__ __forceinline__ void ap_load_kv(u8* hi, u8* lo, const void* cache, in
                 wl[e] = (u32)l0 | ((u32)l1 << 16);
             }
             *(uint4*)(hi + ap_swz<DH>(r, ch)) = make_uint4(wh[0], wh[1], wh[2], wh[3]);
-            *(uint4*)(lo + ap_swz<DH>(r, ch)) = make_uint4(wl[0], wl[1], wl[2], wl[3]);
+            if (SPLIT) *(uint4*)(lo + ap_swz<DH>(r, ch)) = make_uint4(wl[0], wl[1], wl[2], wl[3]);
         }
     }
 }
@@ -141,9 +141,11 @@ __device__ __forceinline__ float ap_exp2(float x) {
     return y;
 }
 
-// SPLIT (f32 caches): every product as hi·hi + lo·hi + hi·lo, so prompts match the f32 decode path
-// to ~f32 rounding; otherwise plain bf16 (the bf16 cache already holds bf16 K/V).
-template <int DH, bool SPLIT>
+// F32: the cache holds f32 K/V (else bf16). SPLIT (f32 caches, split-precision prompts): every
+// product as hi·hi + lo·hi + hi·lo, so prompts match the f32 decode path to ~f32 rounding; otherwise
+// plain bf16 products (an f32 cache is rounded to bf16 as its tiles are loaded: fast-precision
+// prompts, whose o_proj input is bf16 anyway).
+template <int DH, bool F32, bool SPLIT>
 __device__ __forceinline__ void attnp_flash_body(const AttnpFlashParams& p) {
     constexpr int NCH = DH / 8, NT = DH / 8; // 16-byte chunks per row; n-tiles of O
     constexpr int TILE = AP_BQ * DH * 2;
@@ -159,7 +161,7 @@ __device__ __forceinline__ void attnp_flash_body(const AttnpFlashParams& p) {
     const int h = blockIdx.y, kvh = h / (p.Hq / p.Hkv);
     const int t0 = qt * AP_BQ;
     const int kv_len = p.p0 + min(t0 + AP_BQ, p.T); // positions this tile's queries may see
-    const int elt = SPLIT ? 4 : 2;
+    const int elt = F32 ? 4 : 2;
     const u8* kc = (const u8*)p.k_cache + (i64)kvh * p.max_ctx * DH * elt;
     const u8* vc = (const u8*)p.v_cache + (i64)kvh * p.max_ctx * DH * elt;
 
@@ -185,8 +187,8 @@ __device__ __forceinline__ void attnp_flash_body(const AttnpFlashParams& p) {
     for (int kt = 0; kt < ntiles; ++kt) {
         const int kv0 = kt * AP_BKV;
         __syncthreads(); // previous K/V tile consumed
-        ap_load_kv<DH, SPLIT>(Kh, Kl, kc + (i64)kv0 * DH * elt, kv_len - kv0);
-        ap_load_kv<DH, SPLIT>(Vh, Vl, vc + (i64)kv0 * DH * elt, kv_len - kv0);
+        ap_load_kv<DH, F32, SPLIT>(Kh, Kl, kc + (i64)kv0 * DH * elt, kv_len - kv0);
+        ap_load_kv<DH, F32, SPLIT>(Vh, Vl, vc + (i64)kv0 * DH * elt, kv_len - kv0);
         cp_async_commit();
         cp_async_wait_all();
         __syncthreads();
@@ -313,10 +315,13 @@ __device__ __forceinline__ void attnp_flash_body(const AttnpFlashParams& p) {
 
 #define AP_FLASH(DH)                                                                                   \
     extern "C" __global__ void __launch_bounds__(128) prefill_attn_flash_d##DH##_bf16(const AttnpFlashParams p) { \
-        attnp_flash_body<DH, false>(p);                                                                \
+        attnp_flash_body<DH, false, false>(p);                                                         \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128) prefill_attn_flash_d##DH##_f32(const AttnpFlashParams p) {  \
-        attnp_flash_body<DH, true>(p);                                                                 \
+        attnp_flash_body<DH, true, true>(p);                                                           \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) prefill_attn_flash_d##DH##_f32fast(const AttnpFlashParams p) { \
+        attnp_flash_body<DH, true, false>(p);                                                          \
     }
 AP_FLASH(32)
 AP_FLASH(64)

@@ -29,7 +29,9 @@ pub struct AttentionPrefillIo {
     pub v_cache: DPtr,
     pub max_ctx: usize,
     pub kv: KvDtype,
-    /// scratch: rotated, scaled queries as planes `[T, Hq, Dh]` (lo used with f32 caches)
+    /// scratch: rotated, scaled queries as planes `[T, Hq, Dh]`. With an f32 cache, a lo plane
+    /// asks for split precision (≈ f32: hi·hi + lo·hi + hi·lo); without one the f32 K/V tiles are
+    /// rounded to bf16 (fast precision). bf16 caches ignore lo.
     pub q: Planes,
     /// output: gated attention as planes `[T, Hq·Dh]` (o_proj's input)
     pub y: Planes,
@@ -108,9 +110,9 @@ fn suffix(kv: KvDtype) -> &'static str {
     }
 }
 
-/// Dynamic shared memory of the flash kernel: Q, K, V tiles (and their lo halves for f32 caches).
-pub fn flash_smem(dh: usize, kv: KvDtype) -> usize {
-    let tiles = if kv == KvDtype::F32 { 6 } else { 3 };
+/// Dynamic shared memory of the flash kernel: Q, K, V tiles (and their lo halves when split).
+pub fn flash_smem(dh: usize, split: bool) -> usize {
+    let tiles = if split { 6 } else { 3 };
     tiles * BQ * dh * 2
 }
 
@@ -141,11 +143,13 @@ pub fn prefill_core(
         io.q.ld,
         io.y.ld
     );
-    let split = io.kv == KvDtype::F32;
-    ensure!(
-        !split || (!io.q.lo.is_null()),
-        "attention prefill: f32 caches need the queries' lo plane"
-    );
+    // f32 caches: split precision when the caller gives the queries' lo plane, else bf16 products
+    let split = io.kv == KvDtype::F32 && !io.q.lo.is_null();
+    let flash_kernel = match (io.kv, split) {
+        (KvDtype::Bf16, _) => format!("prefill_attn_flash_d{dh}_bf16"),
+        (KvDtype::F32, true) => format!("prefill_attn_flash_d{dh}_f32"),
+        (KvDtype::F32, false) => format!("prefill_attn_flash_d{dh}_f32fast"),
+    };
     let gated = spec.attn_output_gate;
     let prep = AttnpPrepParams {
         qg: io.qg.0,
@@ -197,10 +201,10 @@ pub fn prefill_core(
         )?,
         Launch::new(
             gpu,
-            &format!("prefill_attn_flash_d{dh}_{}", suffix(io.kv)),
+            &flash_kernel,
             (t.div_ceil(BQ) as u32, hq as u32, 1),
             128,
-            flash_smem(dh, io.kv) as u32,
+            flash_smem(dh, split) as u32,
             &flash,
         )?,
     ])

@@ -18,11 +18,11 @@ use calla_model::{ModelSpec, Weights};
 use crate::attention::{self, KvDtype};
 use crate::deltanet;
 use crate::forward::{self, Scratch, StateLayout};
+use crate::gemm::Precision;
 use crate::gpu::{Gpu, Launch};
 use crate::graph::StepGraph;
 use crate::pool::Arena;
 use crate::prefill;
-use crate::gemm::Precision;
 use crate::select::Selector;
 use crate::sequence::{CudaSequence, FailedSnapshot};
 use crate::weights::{self, DevModel};
@@ -41,11 +41,18 @@ pub struct CudaOptions {
     /// Print an upload progress bar on stderr.
     pub progress: bool,
     /// Prompt tokens per batched prefill chunk (prefill_layer.rs); 0 runs prompts token by token
-    /// through the decode chain.
+    /// through the decode chain. 8192 by default: at 2048 each of 256 experts gets ~64 rows, half
+    /// a GEMM tile (docs/performance.md, "Prefill optimisations"); the scratch, made on the first
+    /// prompt for min(chunk, max_context) tokens, is ~2.8 GB at the real shape (0.7 GB at 2048).
     pub prompt_chunk: usize,
-    /// Precision of the batched prompt's weight products: Split (≈ f32, the default: prompts
-    /// agree with the f32 decode path and the CPU reference) or Fast (bf16 activations).
-    pub prompt_precision: Precision,
+    /// Precision of the batched prompt's weight products (and of flash attention over an f32
+    /// cache): Split (≈ f32, the default: prompts agree with the f32 decode path and the CPU
+    /// reference to the parity tolerance) or Fast (bf16 activations: ~2× faster prompts, but at the
+    /// real shape its log-probabilities miss the 2e-2 parity tolerance: docs/performance.md,
+    /// "Prefill optimisations").
+    /// None: by each matrix's format (split for f32/f16 weights, fast for bf16 and quantised).
+    /// The MoE router always runs split.
+    pub prompt_precision: Option<Precision>,
 }
 
 impl Default for CudaOptions {
@@ -56,8 +63,8 @@ impl Default for CudaOptions {
             kv_cache: KvDtype::F32,
             use_graphs: true,
             progress: false,
-            prompt_chunk: 2048,
-            prompt_precision: Precision::Split,
+            prompt_chunk: 8192,
+            prompt_precision: Some(Precision::Split),
         }
     }
 }
@@ -103,7 +110,7 @@ pub struct CudaBackend {
     cursor_mirror: Option<Cursor>,
     pub report: CudaLoadReport,
     pub(crate) prompt_chunk: usize,
-    pub(crate) prompt_precision: Precision,
+    pub(crate) prompt_precision: Option<Precision>,
     /// the batched prompt path (with its own arena), made on the first prompt (prefill.rs)
     pub(crate) prompt: Option<prefill::PromptPath>,
     // Arenas last: dropped after everything that points into them.

@@ -33,11 +33,17 @@ pub struct BenchOptions {
     pub seed: u64,
     /// Also time each kernel of the decode step on its own (at the last context).
     pub profile: bool,
+    /// CudaOptions::prompt_precision (None: by weight format) and prompt_chunk.
+    pub prompt_precision: Option<crate::gemm::Precision>,
+    pub prompt_chunk: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct PrefillResult {
     pub tokens: usize,
+    /// prompt precision ("auto", "fast", "split") and tokens per prefill chunk
+    pub precision: String,
+    pub chunk: usize,
     /// median over rounds: the prompt step including the first token's selection (= TTFT)
     pub ttft_ms: f64,
     pub tokens_per_s: f64,
@@ -234,6 +240,8 @@ pub fn run(spec: &ModelSpec, model_name: &str, opts: &BenchOptions) -> Result<Be
     let copts = CudaOptions {
         max_context: Some(max_ctx),
         kv_cache: opts.kv_cache,
+        prompt_precision: opts.prompt_precision,
+        prompt_chunk: opts.prompt_chunk,
         ..Default::default()
     };
     let mut be = CudaBackend::from_device_model(gpu.clone(), spec, model, arena, &copts)?;
@@ -336,6 +344,11 @@ pub fn run(spec: &ModelSpec, model_name: &str, opts: &BenchOptions) -> Result<Be
         peak_gpu_memory_bytes: peak,
         prefill: PrefillResult {
             tokens: opts.prompt_len,
+            precision: match opts.prompt_precision {
+                None => "auto".to_string(),
+                Some(p) => format!("{p:?}").to_lowercase(),
+            },
+            chunk: opts.prompt_chunk,
             ttft_ms: ttft_s * 1e3,
             tokens_per_s: opts.prompt_len as f64 / ttft_s,
         },

@@ -40,9 +40,14 @@ pub fn run_prompt_tokens(
     if backend.prompt.is_none() {
         let mut arena = Arena::new(&gpu, 64 << 20);
         let chunk = backend.prompt_chunk.min(backend.max_context()).max(1);
-        let opts = PrefillOptions { precision: Some(backend.prompt_precision) };
+        let opts = PrefillOptions {
+            precision: backend.prompt_precision,
+        };
         let runner = PromptRunner::new(&mut arena, backend.spec(), chunk, opts)?;
-        backend.prompt = Some(PromptPath { runner, _arena: arena });
+        backend.prompt = Some(PromptPath {
+            runner,
+            _arena: arena,
+        });
     }
     let path = backend.prompt.as_ref().expect("made above");
     path.runner.run(

@@ -178,6 +178,12 @@ impl PrefillScratch {
     }
 }
 
+/// The precision the options (or, without a choice, the matrix's format) call for.
+fn precision_of(w: &DevMatrix, opts: &PrefillOptions) -> Precision {
+    opts.precision
+        .unwrap_or_else(|| Precision::for_format(w.format))
+}
+
 /// `out (+)= x̂·Wᵀ` with the precision the options (or the matrix format) call for.
 fn project(
     gpu: &Gpu,
@@ -188,9 +194,7 @@ fn project(
     accumulate: bool,
     opts: &PrefillOptions,
 ) -> Result<Launch> {
-    let precision = opts
-        .precision
-        .unwrap_or_else(|| Precision::for_format(w.format));
+    let precision = precision_of(w, opts);
     gemm::gemm(
         gpu,
         &Gemm {
@@ -350,7 +354,8 @@ pub fn prefill_mixer(
                     v_cache,
                     max_ctx,
                     kv,
-                    q: s.at_q,
+                    // the queries' lo plane only when o_proj runs split (attention_prefill.rs)
+                    q: s.at_q.for_precision(precision_of(&w.o_proj, opts)),
                     y: s.at_y,
                 },
             )?);

@@ -1,6 +1,6 @@
 //! The attention prompt path (norm → q+gate/k/v projections → q/k norm, partial RoPE, KV append →
 //! causal flash attention + gate → o_proj, through `prefill_mixer`) against calla_cpu's
-//! `Attention::forward`, with f32 caches (split precision) and bf16 caches, from an empty cache and
+//! `Attention::forward`, with f32 caches (split precision, and fast: tiles rounded to bf16) and bf16 caches, from an empty cache and
 //! after random cached positions; checks the output and the appended cache rows.
 
 mod prefill_support;
@@ -216,6 +216,14 @@ fn fixture_dims_f32_and_bf16_caches() {
         Some(Precision::Split),
         SPLIT,
         &cases[..7],
+    ) & run_case(
+        "tiny q4 weights, f32 KV, fast (f32 tiles rounded to bf16)",
+        &spec,
+        WFmt::Q4,
+        KvDtype::F32,
+        None,
+        FAST,
+        &cases,
     );
     assert!(ok, "attention prefill out of tolerance (see above)");
 }
@@ -229,6 +237,14 @@ fn real_dims_q4_bf16_and_f32_caches() {
         &spec,
         WFmt::Q4,
         KvDtype::Bf16,
+        None,
+        FAST,
+        &[(65, 0), (1000, 0), (200, 333)],
+    ) & run_case(
+        "real q4 fast, f32 KV",
+        &spec,
+        WFmt::Q4,
+        KvDtype::F32,
         None,
         FAST,
         &[(65, 0), (1000, 0), (200, 333)],
