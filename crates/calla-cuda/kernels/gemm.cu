@@ -51,12 +51,18 @@ struct GemmParams {
 // Tile byte offset of (row r, 16-byte chunk c) with the XOR swizzle.
 __device__ __forceinline__ u32 gemm_swz(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
 
-template <int FMT, int SPLIT>
+// XQ (q4, split, group size 64 = BK: one group per k-tile and W row): exact weights. The tile holds
+// the codes q (exact in bf16); per k-tile T = hi(x)·q + lo(x)·q and Σx (one mma of each plane
+// against a column of ones) are folded as acc += s·T + b·Σx with the tile's (scale, bias) per
+// output column: 2 products of exact operands instead of 3 of split ones, and no per-weight
+// dequantise-and-split.
+template <int FMT, int SPLIT, int XQ>
 __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     typedef Fmt<FMT> F;
     constexpr int UPR = GEMM_BK / F::W;               // 16-byte weight units per tile row
     constexpr int UPT = GEMM_BN * UPR / GEMM_THREADS; // units per thread per k-tile
-    constexpr bool B_LO = SPLIT && FMT != FMT_BF16;
+    static_assert(!XQ || (FMT == FMT_Q4 && SPLIT), "XQ: q4 split only");
+    constexpr bool B_LO = SPLIT && FMT != FMT_BF16 && !XQ;
     constexpr int PLANES = 2 + (SPLIT ? 1 : 0) + (B_LO ? 1 : 0);
     extern __shared__ __align__(128) u8 smem[];
     // stage s, plane: A_hi, A_lo?, B_hi, B_lo?
@@ -114,6 +120,23 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     }
     uint4 b_raw[UPT];
     float2 b_par[UPT];
+    // XQ: the W rows of this thread's 8 output columns (tile rows wn·32 + 8j + 2(lane&3) + c), −1 past N
+    int col_row[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int r = wn * 32 + j * 8 + 2 * (lane & 3) + c;
+            int row = -1;
+            if (!XQ) {
+            } else if (p.swiglu) {
+                const int jj = n0 / 2 + r / 2;
+                if (jj < n_out) row = (int)w_base + ((r & 1) ? n_out + jj : jj);
+            } else if (n0 + r < p.N) {
+                row = (int)w_base + n0 + r;
+            }
+            col_row[j][c] = row;
+        }
 
     auto load_a = [&](int stage, int kt) {
 #pragma unroll
@@ -131,7 +154,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
             const int k = kt * GEMM_BK + uu * F::W;
             if (b_row[i] >= 0) {
                 b_raw[i] = ld_nc_16((const u8*)p.w.data + b_row[i] * p.w.row_bytes + (i64)(k / F::W) * 16);
-                if (F::AFFINE) b_par[i] = load_group_params(p.w, b_row[i], k / p.group_size);
+                if (F::AFFINE && !XQ) b_par[i] = load_group_params(p.w, b_row[i], k / p.group_size);
             } else {
                 b_raw[i] = make_uint4(0u, 0u, 0u, 0u);
                 b_par[i] = make_float2(0.0f, 0.0f);
@@ -146,6 +169,21 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
             const int u = tid + i * GEMM_THREADS, r = u / UPR, uu = u % UPR;
             if (FMT == FMT_BF16) {
                 *(uint4*)(hi_tile + gemm_swz(r, uu)) = b_raw[i]; // exact: no conversion, no lo plane
+                continue;
+            }
+            if (FMT == FMT_Q4 && XQ) {
+                // the codes themselves: bf16 bits 0x4300 | q = 128 + q, minus 128 = q (exact)
+                const u32 words[4] = {b_raw[i].x, b_raw[i].y, b_raw[i].z, b_raw[i].w};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    u32 out[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const u32 pr = ((words[q] >> (8 * e)) & 0xFu) | (((words[q] >> (8 * e + 4)) & 0xFu) << 16) | 0x43004300u;
+                        out[e] = cvt_bf16x2(__uint_as_float(pr << 16) - 128.0f, __uint_as_float(pr & 0xffff0000u) - 128.0f);
+                    }
+                    *(uint4*)(hi_tile + gemm_swz(r, uu * 4 + q)) = make_uint4(out[0], out[1], out[2], out[3]);
+                }
                 continue;
             }
             if (FMT == FMT_Q4 && !SPLIT) {
@@ -199,9 +237,29 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     cp_async_wait_all();
     __syncthreads();
 
+    // XQ per k-tile: T (exact-code products), row sums of x, the tile's (scale, bias) per column
+    float tq[4][4][4], rs[4][4]; // registers only in XQ instantiations
+    float2 cpar[4][2];
+    constexpr u32 ONES = 0x3F803F80u; // bf16 1.0 pair
     for (int kt = 0; kt < KT; ++kt) {
         const int cur = kt & 1;
         const bool more = kt + 1 < KT;
+        if (XQ) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+                    cpar[j][c] = col_row[j][c] >= 0 ? load_group_params(p.w, col_row[j][c], kt) : make_float2(0.0f, 0.0f);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) rs[i][e] = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) tq[i][j][e] = 0.0f;
+            }
+        }
         if (more) {
             load_a(cur ^ 1, kt + 1);
             load_b(kt + 1); // in flight during the mma below
@@ -225,14 +283,38 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                     ldsm_x4(plane(cur, P_BLO) + gemm_swz(n, ch), bl[2 * pr][0], bl[2 * pr][1], bl[2 * pr + 1][0],
                             bl[2 * pr + 1][1]);
             }
+            if (XQ) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    mma_bf16(rs[i], af[i], ONES, ONES);
+                    mma_bf16(rs[i], al[i], ONES, ONES);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        mma_bf16(tq[i][j], af[i], bf[j][0], bf[j][1]);
+                        mma_bf16(tq[i][j], al[i], bf[j][0], bf[j][1]);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        mma_bf16(acc[i][j], af[i], bf[j][0], bf[j][1]);
+                        if (SPLIT) mma_bf16(acc[i][j], al[i], bf[j][0], bf[j][1]);
+                        if (B_LO) mma_bf16(acc[i][j], af[i], bl[j][0], bl[j][1]);
+                    }
+            }
+        }
+        if (XQ) { // C fragment: (c0, c1) row g, columns 2(lane&3) + 0/1; (c2, c3) row g + 8
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    mma_bf16(acc[i][j], af[i], bf[j][0], bf[j][1]);
-                    if (SPLIT) mma_bf16(acc[i][j], al[i], bf[j][0], bf[j][1]);
-                    if (B_LO) mma_bf16(acc[i][j], af[i], bl[j][0], bl[j][1]);
-                }
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float2 sb = cpar[j][e & 1];
+                        acc[i][j][e] = fmaf(sb.x, tq[i][j][e], fmaf(sb.y, rs[i][e & 2], acc[i][j][e]));
+                    }
         }
         if (more) store_b(cur ^ 1);
         cp_async_wait_all();
@@ -282,16 +364,20 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 // to hide the weight loads); f32/f16 fast and every split variant need more and run one per SM.
 #define GEMM_KERNELS(suffix, FMT, FAST_BLOCKS)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, FAST_BLOCKS) gemm_##suffix##_fast(const GemmParams p) { \
-        gemm_body<FMT, 0>(p);                                                                          \
+        gemm_body<FMT, 0, 0>(p);                                                                       \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_##suffix##_split(const GemmParams p) { \
-        gemm_body<FMT, 1>(p);                                                                          \
+        gemm_body<FMT, 1, 0>(p);                                                                       \
     }
 GEMM_KERNELS(f32, FMT_F32, 1)
 GEMM_KERNELS(bf16, FMT_BF16, 2)
 GEMM_KERNELS(f16, FMT_F16, 1)
 GEMM_KERNELS(q4, FMT_Q4, 2)
 GEMM_KERNELS(q8, FMT_Q8, 2)
+// q4, split, group size 64 (the launcher picks it): exact codes, per-k-tile scale and bias (XQ above)
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_q4_splitx(const GemmParams p) {
+    gemm_body<FMT_Q4, 1, 1>(p);
+}
 
 // ---------------------------------------------------------------- RMSNorm rows → bf16 planes
 // x̂[t] = x[t]·(1/√(mean(x[t]²) + eps))·gain   (gain = 1 + w; no norm when gain is null: a plain

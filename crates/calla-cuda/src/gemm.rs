@@ -4,7 +4,9 @@
 //! Activations enter a GEMM as bf16 [`Planes`]: `hi = bf16(x)` and, in [`Precision::Split`],
 //! `lo = bf16(x − hi)`. Fast precision multiplies hi·hi (bf16 products, f32 accumulation); split
 //! adds lo(x)·hi(w) + hi(x)·lo(w), which is f32-accurate to ~1e-6 relative — the precision of the
-//! f32 CPU reference, for f32 fixture models, the router, and parity tests.
+//! f32 CPU reference, for f32 fixture models, the router, and parity tests. q4 weights in groups of
+//! 64 take a split kernel that never rounds them: hi(x)·q + lo(x)·q on the exact codes, scaled per
+//! k-tile (gemm.cu, XQ).
 //!
 //! Legend: M rows (tokens or sorted expert slots), N output features (W rows), K input features,
 //! E experts.
@@ -258,7 +260,13 @@ pub fn gemm(gpu: &Gpu, g: &Gemm) -> Result<Launch> {
         grid_y <= 65535,
         "gemm: {grid_y} row tiles exceed the grid limit (split the prompt)"
     );
-    let name = format!("gemm_{}_{}", w.format.suffix(), g.precision.suffix());
+    // q4 in split precision with groups of BK: the exact-code kernel (gemm.cu, XQ): the codes are
+    // exact in bf16 and each k-tile is one group, so scale and bias apply per k-tile.
+    let name = if w.format == Format::Q4 && g.precision == Precision::Split && w.group_size == BK {
+        "gemm_q4_splitx".to_string()
+    } else {
+        format!("gemm_{}_{}", w.format.suffix(), g.precision.suffix())
+    };
     // SAFETY (of the eventual launch): every pointer above was checked non-null where required and
     // the kernel bounds rows by M (or the tile's m1) and columns by N; strides checked above.
     Launch::new(
