@@ -15,7 +15,8 @@
 //                 t, the warp updates its online softmax, then accumulates P·V with lane owning dims
 //                 lane + 32e. Writes unnormalised partials (m, l, acc[Dh]) per (q head, split).
 //                 Dynamic smem: G·Dh·4 (q) + TILE·(Dh+pad)·elt (K) + TILE·Dh·elt (V).
-// attn_combine:   grid Hq, block Dh: merges the splits by log-sum-exp, applies the output gate.
+// attn_combine:   grid Hq, block min(Dh, 256): merges the splits by log-sum-exp (split weights once in
+//                 shared memory), applies the output gate.
 // Bytes per token: K and V of p+1 positions (2·Hkv·Dh·elt each) + partials.
 
 #define ATTN_TILE 32
@@ -44,6 +45,8 @@ template <typename KV>
 __device__ __forceinline__ void attn_prep_body(const AttnPrepParams& p) {
     extern __shared__ float x[]; // [Dh]
     __shared__ float red[32];
+    griddep_launch_dependents();
+    griddep_wait();
     const int b = blockIdx.x, tid = threadIdx.x, Dh = p.Dh;
     const Cursor cur = *(const Cursor*)p.cursor;
     const bool is_q = b < p.Hq;
@@ -95,15 +98,48 @@ struct AttnDecodeParams {
     int pad;
 };
 
-// K tile row pitch in elements: odd in 32-bit words, so lanes reading rows t = 0..31 at one column
-// hit 32 different banks.
+// K tile row pitch in elements: 16-byte aligned rows, 4 words past a multiple of 32 words, so the 8
+// lanes of each quarter-warp phase of a 16-byte read (rows t..t+7, one column) hit disjoint banks.
 template <typename KV> __host__ __device__ __forceinline__ int k_pitch(int Dh);
-template <> __host__ __device__ __forceinline__ int k_pitch<float>(int Dh) { return Dh + 1; }
-template <> __host__ __device__ __forceinline__ int k_pitch<u16>(int Dh) { return Dh + 2; }
+template <> __host__ __device__ __forceinline__ int k_pitch<float>(int Dh) { return Dh + 4; }
+template <> __host__ __device__ __forceinline__ int k_pitch<u16>(int Dh) { return Dh + 8; }
+
+// q·K[t] over Dh in order d = 0, 1, …: 16-byte reads of the K row and of q (broadcast).
+__device__ __forceinline__ float score_dot(const float* q, const float* k, int Dh) {
+    float dot = 0.0f;
+#pragma unroll 4
+    for (int d = 0; d < Dh; d += 4) {
+        const float4 qq = *(const float4*)(q + d), kk = *(const float4*)(k + d);
+        dot = fmaf(qq.x, kk.x, dot);
+        dot = fmaf(qq.y, kk.y, dot);
+        dot = fmaf(qq.z, kk.z, dot);
+        dot = fmaf(qq.w, kk.w, dot);
+    }
+    return dot;
+}
+__device__ __forceinline__ float score_dot(const float* q, const u16* k, int Dh) {
+    float dot = 0.0f;
+#pragma unroll 2
+    for (int d = 0; d < Dh; d += 8) {
+        const float4 qa = *(const float4*)(q + d), qb = *(const float4*)(q + d + 4);
+        const uint4 kk = *(const uint4*)(k + d);
+        dot = fmaf(qa.x, bf16_lo(kk.x), dot);
+        dot = fmaf(qa.y, bf16_hi(kk.x), dot);
+        dot = fmaf(qa.z, bf16_lo(kk.y), dot);
+        dot = fmaf(qa.w, bf16_hi(kk.y), dot);
+        dot = fmaf(qb.x, bf16_lo(kk.z), dot);
+        dot = fmaf(qb.y, bf16_hi(kk.z), dot);
+        dot = fmaf(qb.z, bf16_lo(kk.w), dot);
+        dot = fmaf(qb.w, bf16_hi(kk.w), dot);
+    }
+    return dot;
+}
 
 template <typename KV>
 __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
     extern __shared__ float smem[];
+    griddep_launch_dependents();
+    griddep_wait();
     const int G = p.Hq / p.Hkv, Dh = p.Dh, kvh = blockIdx.y, split = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, g = tid >> 5;
     const int hq = kvh * G + g;
@@ -151,11 +187,7 @@ __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
                     const int i = i0 + u * blockDim.x;
                     if (i < vecs) {
                         const int e = i * EPV, t = e / Dh, d = e - t * Dh;
-                        u32* kd = (u32*)(k_s + t * kp + d);
-                        kd[0] = kr[u].x;
-                        kd[1] = kr[u].y;
-                        kd[2] = kr[u].z;
-                        kd[3] = kr[u].w;
+                        *(uint4*)(k_s + t * kp + d) = kr[u];
                         *(uint4*)(v_s + t * Dh + d) = vr[u];
                     }
                 }
@@ -164,13 +196,7 @@ __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
         __syncthreads();
         // scores: lane t ↔ position base + t
         float s = NEG_INF;
-        if (lane < n) {
-            const float* qh = q_s + g * Dh;
-            const KV* kr = k_s + lane * kp;
-            float dot = 0.0f;
-            for (int d = 0; d < Dh; ++d) dot = fmaf(qh[d], kv_load(kr, d), dot);
-            s = dot;
-        }
+        if (lane < n) s = score_dot(q_s + g * Dh, k_s + lane * kp, Dh);
         const float m_new = fmaxf(m, warp_max(s));
         const float pr = lane < n ? expf(s - m_new) : 0.0f;
         const float corr = expf(m - m_new); // 0 on the first tile (m = −inf)
@@ -203,20 +229,37 @@ struct AttnCombineParams {
     int Hq, Dh, nsplit, gated;
 };
 
+// Each split's weight exp(m_s − M) is computed once into shared memory (nsplit ≤ ATTN_MAX_SPLITS);
+// thread d then sums the splits' partials with independent loads.
+#define ATTN_MAX_SPLITS 1024
 extern "C" __global__ void __launch_bounds__(256) attn_combine(const AttnCombineParams p) {
+    __shared__ float w_s[ATTN_MAX_SPLITS];
+    __shared__ float red[32];
+    griddep_launch_dependents();
+    griddep_wait();
     const int h = blockIdx.x;
     const float* pm = (const float*)p.part_m + (i64)h * p.nsplit;
     const float* pl = (const float*)p.part_l + (i64)h * p.nsplit;
     float M = NEG_INF;
-    for (int s = 0; s < p.nsplit; ++s)
+    for (int s = threadIdx.x; s < p.nsplit; s += blockDim.x)
         if (pl[s] > 0.0f) M = fmaxf(M, pm[s]);
+    M = block_max(M, red);
     float L = 0.0f;
-    for (int s = 0; s < p.nsplit; ++s)
-        if (pl[s] > 0.0f) L += pl[s] * expf(pm[s] - M);
+    for (int s = threadIdx.x; s < p.nsplit; s += blockDim.x) {
+        const float l = pl[s];
+        const float w = l > 0.0f ? expf(pm[s] - M) : 0.0f;
+        w_s[s] = w;
+        L += l * w;
+    }
+    L = block_sum(L, red); // ends with a barrier: w_s is complete
+    const float* acc = (const float*)p.part_acc + (i64)h * p.nsplit * p.Dh;
     for (int d = threadIdx.x; d < p.Dh; d += blockDim.x) {
         float o = 0.0f;
-        for (int s = 0; s < p.nsplit; ++s)
-            if (pl[s] > 0.0f) o += ((const float*)p.part_acc)[((i64)h * p.nsplit + s) * p.Dh + d] * expf(pm[s] - M);
+#pragma unroll 8
+        for (int s = 0; s < p.nsplit; ++s) {
+            const float w = w_s[s];
+            if (w != 0.0f) o += acc[(i64)s * p.Dh + d] * w;
+        }
         o /= L;
         if (p.gated) o *= sigmoid_f(((const float*)p.qg)[(i64)h * 2 * p.Dh + p.Dh + d]);
         ((float*)p.y)[(i64)h * p.Dh + d] = o;

@@ -294,6 +294,22 @@ __device__ __forceinline__ void load_input(const float* x, const float* gain, fl
     __syncthreads();
 }
 
+// Programmatic dependent launch (graph.rs, CALLA_PDL): a kernel launched with it may start while
+// the previous kernel in the stream still runs. griddep_wait() returns once that kernel (and so,
+// transitively, every earlier one) has finished and its writes are visible: call it before reading
+// or writing anything another kernel touches. griddep_launch_dependents() lets the next kernel
+// start launching. Both are no-ops for an ordinary launch.
+__device__ __forceinline__ void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // The per-step cursor, written by the host when it changes and advanced on the device by the token
 // selection kernel: the decode graph reads everything sequence-dependent through it.
 struct Cursor {

@@ -14,6 +14,7 @@
 //   S          [Hv, Dv, Dk] f32 ("K-last": one value column's key vector is contiguous)
 // Launch: grid Hv blocks (one value head each), block 512 threads (16 warps; warp w owns columns
 //   w, w+16, …; lane holds Dk/32 consecutive key entries = KPL), static smem (2·Dk + 2·Dv) floats.
+//   When Dv ≤ 16·DN_PREFETCH_COLS the warp's state columns are read into registers first thing.
 // Bytes per call: S read + written (Hv·Dv·Dk·4·2 = 4 MiB at the real shape), conv ring K·C·4 read,
 //   C·4 written, projections (C + 2·Hv + Hv·Dv)·4.
 // Races: the ring slot written (p mod K) is never read in the same step, so value heads that share
@@ -44,10 +45,54 @@ struct DeltaNetParams {
 
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+// Value columns per warp whose state is loaded into registers at kernel start (before the conv,
+// norms and gates), so the 64 KiB per head of state read overlaps that prologue.
+#define DN_PREFETCH_COLS 8
+
+template <int KPL>
+__device__ __forceinline__ void dn_load_column(const float* col, float* s) {
+    if (KPL % 4 == 0) {
+#pragma unroll
+        for (int e = 0; e < KPL; e += 4) {
+            const float4 v4 = *(const float4*)(col + e);
+            s[e] = v4.x; s[e + 1] = v4.y; s[e + 2] = v4.z; s[e + 3] = v4.w;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < KPL; ++e) s[e] = col[e];
+    }
+}
+
+// One value column j (this lane's KPL key entries `s`, written back to `col`): S ← αS; δ = β(v − Sᵀk);
+// S += kδ; o_j = Sᵀq (lane 0 stores it).
+template <int KPL>
+__device__ __forceinline__ void dn_column(float* col, float* s, const float* kr, const float* qr, float alpha,
+                                          float beta, float v, float* o_out, int lane) {
+    float kv = 0.0f;
+#pragma unroll
+    for (int e = 0; e < KPL; ++e) { s[e] *= alpha; kv = fmaf(s[e], kr[e], kv); } // S ← αS; Sᵀk
+    kv = warp_sum(kv);
+    const float delta = (v - kv) * beta;                                          // δ = β(v − Sᵀk)
+    float o = 0.0f;
+#pragma unroll
+    for (int e = 0; e < KPL; ++e) { s[e] = fmaf(kr[e], delta, s[e]); o = fmaf(s[e], qr[e], o); } // S += kδ; Sᵀq
+    o = warp_sum(o);
+    if (KPL % 4 == 0) {
+#pragma unroll
+        for (int e = 0; e < KPL; e += 4) *(float4*)(col + e) = make_float4(s[e], s[e + 1], s[e + 2], s[e + 3]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < KPL; ++e) col[e] = s[e];
+    }
+    if (lane == 0) *o_out = o;
+}
+
 template <int KPL>
 __device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
     __shared__ float q_s[DN_MAX_DK], k_s[DN_MAX_DK], v_s[DN_MAX_DV], o_s[DN_MAX_DV];
     __shared__ float red[32];
+    griddep_launch_dependents();
+    griddep_wait(); // cursor, projections and state come from earlier kernels
     const int h = blockIdx.x, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     const int ratio = p.Hv / p.Hk, kh = h / ratio;
@@ -58,6 +103,17 @@ __device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
     const float* qkv = (const float*)p.qkv;
     const float* conv_w = (const float*)p.conv_w;
     const bool writes_qk = (h % ratio) == 0;
+    // The head's state columns, loaded now (in flight during steps 1–3).
+    float* S = (float*)(cur.state_base + p.state_off) + (i64)h * p.Dv * p.Dk;
+    const bool prefetched = p.Dv <= nwarps * DN_PREFETCH_COLS;
+    float sp[DN_PREFETCH_COLS][KPL];
+    if (prefetched) {
+#pragma unroll
+        for (int c = 0; c < DN_PREFETCH_COLS; ++c) {
+            const int j = warp + c * nwarps;
+            if (j < p.Dv) dn_load_column<KPL>(S + (i64)j * p.Dk + lane * KPL, sp[c]);
+        }
+    }
 
     // 1. conv over this head's channels: q (Dk), k (Dk), v (Dv) → silu → shared memory.
     for (int i = tid; i < 2 * p.Dk + p.Dv; i += blockDim.x) {
@@ -99,37 +155,19 @@ __device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
     float kr[KPL], qr[KPL];
 #pragma unroll
     for (int e = 0; e < KPL; ++e) { kr[e] = k_s[lane * KPL + e]; qr[e] = q_s[lane * KPL + e]; }
-    float* S = (float*)(cur.state_base + p.state_off) + (i64)h * p.Dv * p.Dk;
-    for (int j = warp; j < p.Dv; j += nwarps) {
-        float* col = S + (i64)j * p.Dk + lane * KPL;
-        float s[KPL];
-        if (KPL % 4 == 0) {
+    if (prefetched) {
 #pragma unroll
-            for (int e = 0; e < KPL; e += 4) {
-                const float4 v4 = *(const float4*)(col + e);
-                s[e] = v4.x; s[e + 1] = v4.y; s[e + 2] = v4.z; s[e + 3] = v4.w;
-            }
-        } else {
-#pragma unroll
-            for (int e = 0; e < KPL; ++e) s[e] = col[e];
+        for (int c = 0; c < DN_PREFETCH_COLS; ++c) {
+            const int j = warp + c * nwarps;
+            if (j < p.Dv) dn_column<KPL>(S + (i64)j * p.Dk + lane * KPL, sp[c], kr, qr, alpha, beta, v_s[j], &o_s[j], lane);
         }
-        float kv = 0.0f;
-#pragma unroll
-        for (int e = 0; e < KPL; ++e) { s[e] *= alpha; kv = fmaf(s[e], kr[e], kv); } // S ← αS; Sᵀk
-        kv = warp_sum(kv);
-        const float delta = (v_s[j] - kv) * beta;                                      // δ = β(v − Sᵀk)
-        float o = 0.0f;
-#pragma unroll
-        for (int e = 0; e < KPL; ++e) { s[e] = fmaf(kr[e], delta, s[e]); o = fmaf(s[e], qr[e], o); } // S += kδ; Sᵀq
-        o = warp_sum(o);
-        if (KPL % 4 == 0) {
-#pragma unroll
-            for (int e = 0; e < KPL; e += 4) *(float4*)(col + e) = make_float4(s[e], s[e + 1], s[e + 2], s[e + 3]);
-        } else {
-#pragma unroll
-            for (int e = 0; e < KPL; ++e) col[e] = s[e];
+    } else {
+        for (int j = warp; j < p.Dv; j += nwarps) {
+            float* col = S + (i64)j * p.Dk + lane * KPL;
+            float s[KPL];
+            dn_load_column<KPL>(col, s);
+            dn_column<KPL>(col, s, kr, qr, alpha, beta, v_s[j], &o_s[j], lane);
         }
-        if (lane == 0) o_s[j] = o;
     }
     __syncthreads();
 
@@ -144,7 +182,7 @@ __device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
 }
 
 #define DN_KERNEL(KPL) \
-    extern "C" __global__ void __launch_bounds__(DN_THREADS) deltanet_decode_kpl##KPL(const DeltaNetParams p) { \
+    extern "C" __global__ void __launch_bounds__(DN_THREADS, 1) deltanet_decode_kpl##KPL(const DeltaNetParams p) { \
         deltanet_decode_body<KPL>(p); \
     }
 DN_KERNEL(1)

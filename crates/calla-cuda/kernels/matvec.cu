@@ -38,6 +38,8 @@ template <int FMT>
 __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     extern __shared__ float xs[];
     __shared__ float red[32];
+    griddep_launch_dependents();
+    griddep_wait();
     load_input((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, red);
 
     const int width = lanes_per_row(p.K / Fmt<FMT>::W);

@@ -41,6 +41,8 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     extern __shared__ float xs[];
     __shared__ float red[32];
     __shared__ int is_last;
+    griddep_launch_dependents();
+    griddep_wait();
     load_input((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, red);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     float* logits = (float*)p.logits;
@@ -122,6 +124,8 @@ template <int FMT>
 __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
     extern __shared__ float xs[];
     __shared__ float red[32];
+    griddep_launch_dependents();
+    griddep_wait();
     load_input((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, red);
     const int slot = blockIdx.y + p.slot_offset;
     const bool routed = slot < p.A;
@@ -155,6 +159,8 @@ template <int FMT>
 __device__ __forceinline__ void down_body(const DownParams& p) {
     typedef Fmt<FMT> F;
     extern __shared__ float acts[]; // [slots, xpad_len(act_stride)] for slots [slot_begin, slot_end)
+    griddep_launch_dependents();
+    griddep_wait();
     const int nslots = p.slot_end - p.slot_begin, pitch = xpad_len(p.act_stride);
     for (int i = threadIdx.x; i < nslots * p.act_stride; i += blockDim.x) {
         const int s = i / p.act_stride, j = i - s * p.act_stride;

@@ -135,8 +135,8 @@ pub fn decode_smem(spec: &ModelSpec, kv: KvDtype) -> usize {
     let g = spec.num_attention_heads / spec.num_key_value_heads;
     let dh = spec.head_dim;
     let pitch = match kv {
-        KvDtype::F32 => dh + 1,
-        KvDtype::Bf16 => dh + 2,
+        KvDtype::F32 => dh + 4,
+        KvDtype::Bf16 => dh + 8,
     };
     g * dh * 4 + TILE * pitch * kv.size() + TILE * dh * kv.size()
 }
@@ -149,6 +149,11 @@ pub fn decode(
     io: &AttentionIo,
 ) -> Result<Vec<Launch>> {
     check_dims(spec)?;
+    ensure!(
+        (1..=1024).contains(&io.nsplit),
+        "attention: {} KV splits (attn_combine supports 1..=1024)",
+        io.nsplit
+    );
     let (hq, hkv, dh) = (
         spec.num_attention_heads,
         spec.num_key_value_heads,

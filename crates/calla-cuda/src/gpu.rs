@@ -368,6 +368,47 @@ impl Launch {
         })
     }
 
+    /// Like `run`, with programmatic dependent launch allowed
+    /// (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): the kernel may start while the
+    /// previous kernel in the stream still runs, so it must call `griddep_wait()` (common.cuh)
+    /// before it reads or writes anything another kernel touches (graph.rs decides which).
+    pub fn run_programmatic(&self, gpu: &Gpu) -> Result<()> {
+        gpu.bind()?;
+        let mut args = [self.params.as_ptr() as *mut c_void];
+        // SAFETY: a zeroed CUlaunchAttribute is a valid plain C struct; id and value set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: self.grid.0,
+            gridDimY: self.grid.1,
+            gridDimZ: self.grid.2,
+            blockDimX: self.block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: self.smem,
+            hStream: gpu.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as in `run`; `config` and `attr` outlive the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.func.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .with_context(|| {
+            format!(
+                "launching {} with programmatic dependent launch (grid {:?}, block {}, smem {})",
+                self.name, self.grid, self.block, self.smem
+            )
+        })
+    }
+
     pub fn run(&self, gpu: &Gpu) -> Result<()> {
         gpu.bind()?;
         let mut args = [self.params.as_ptr() as *mut c_void];

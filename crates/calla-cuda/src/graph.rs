@@ -29,8 +29,14 @@ impl StepGraph {
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .context("beginning graph capture")?;
         let mut failed = None;
-        for l in launches {
-            if let Err(e) = l.run(gpu) {
+        let pdl = programmatic_launch_enabled();
+        for (i, l) in launches.iter().enumerate() {
+            let run = if pdl && i > 0 && waits_for_predecessor(&l.name) {
+                l.run_programmatic(gpu)
+            } else {
+                l.run(gpu)
+            };
+            if let Err(e) = run {
                 failed = Some(e);
                 break;
             }
@@ -54,4 +60,27 @@ impl StepGraph {
         gpu.bind()?;
         self.graph.launch().context("launching the step graph")
     }
+}
+
+/// Programmatic dependent launch inside the decode graph (each kernel's launch, and the weight
+/// loads it issues before `griddep_wait()`, overlap the previous kernel's tail). Off unless
+/// CALLA_PDL=1 while it is being measured (docs/performance.md, "Decode optimisations").
+pub fn programmatic_launch_enabled() -> bool {
+    std::env::var("CALLA_PDL").is_ok_and(|v| v == "1")
+}
+
+/// Kernels that call `griddep_wait()` (common.cuh) before touching anything an earlier kernel
+/// wrote or reads, on every path: only these may start before their predecessor finishes.
+pub fn waits_for_predecessor(kernel: &str) -> bool {
+    const READY: [&str; 8] = [
+        "matvec_",
+        "moe_router_",
+        "moe_gate_up_",
+        "moe_down_",
+        "deltanet_decode_",
+        "attn_prep_",
+        "attn_decode_",
+        "attn_combine",
+    ];
+    READY.iter().any(|p| kernel.starts_with(p))
 }
