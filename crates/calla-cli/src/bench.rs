@@ -1,29 +1,47 @@
 //! `calla bench`: prefill and decode speed on a synthetic model of a real shape (random weights made
-//! on the device; no checkpoint needed).
+//! on the device; no checkpoint needed) or on a real checkpoint (`--model DIR`).
 //!
 //!   calla bench --synthetic qwen3.6-35b-a3b --quant q4 --prompt-len 8192 --gen-len 128
 //!               [--context N] [--sweep] [--rounds R] [--json]
+//!   calla bench --model DIR [--quant q4|q8|bf16|f32] …
 //!
 //! Decode is timed token by token as a server streams (each token read back), after warm-up, as the
 //! median over rounds; prefill as time to first token. Every tok/s comes with the bytes it moved and
-//! the fraction of the measured device copy bandwidth.
+//! the fraction of the device copy bandwidth measured in the same run. Each round's generated tokens
+//! are digested (FNV-1a 64); greedy decoding from the same state must repeat them.
 
-use anyhow::{bail, Result};
-use calla_cuda::bench::{self, BenchOptions, BenchReport};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use calla_cuda::bench::{self, BenchModel, BenchOptions, BenchReport, Progress};
 use calla_cuda::weights::Format;
 use calla_cuda::KvDtype;
-use calla_model::load::Quant;
+use calla_model::load::{load_model, LoadOptions, Quant};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::device::PromptPrecision;
 
+/// The synthetic preset when neither --synthetic nor --model is given.
+const DEFAULT_PRESET: &str = "qwen3.6-35b-a3b";
+
+/// Decode contexts of `--sweep` (issue 5: 512, 4K, 32K, 128K).
+pub const SWEEP_CONTEXTS: [usize; 4] = [512, 4096, 32768, 131072];
+
 #[derive(clap::Args)]
 pub struct Args {
-    /// Synthetic model preset: qwen3.6-35b-a3b (the real dims), cpu-mid, tiny.
-    #[arg(long, default_value = "qwen3.6-35b-a3b")]
-    synthetic: String,
-    /// Weight format of the synthetic model: q4 (MLX affine g64, 8-bit router) or bf16.
-    #[arg(long, default_value = "q4")]
-    quant: Quant,
+    /// Synthetic model preset: qwen3.6-35b-a3b (the real dims; the default), cpu-mid, tiny.
+    #[arg(long, conflicts_with = "model")]
+    synthetic: Option<String>,
+    /// Benchmark a real checkpoint folder instead of a synthetic model.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Synthetic: weight format to make, q4 (MLX affine g64, 8-bit router; the default) or bf16.
+    /// --model: convert at load (q4, q8, bf16, f32); default: keep the stored formats.
+    #[arg(long)]
+    quant: Option<Quant>,
     /// Prompt tokens (prefill / time to first token).
     #[arg(long, default_value_t = 512)]
     prompt_len: usize,
@@ -33,7 +51,7 @@ pub struct Args {
     /// Measure decode at this context length (tokens already in the sequence). Default: the prompt.
     #[arg(long)]
     context: Option<usize>,
-    /// Decode at several contexts: 512, 4096, 16384, 32768.
+    /// Decode at contexts 512, 4096, 32768 and 131072 (instead of --context); one table.
     #[arg(long)]
     sweep: bool,
     /// Timed rounds (the median is reported).
@@ -55,39 +73,21 @@ pub struct Args {
     /// Also time each kernel of the decode step on its own (launched one by one, CUDA events).
     #[arg(long)]
     profile: bool,
-    /// Print one JSON object instead of the table.
+    /// Print one JSON object instead of the table (no progress bars).
     #[arg(long)]
     json: bool,
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let Some(spec) = calla_model::synthetic::preset(&args.synthetic) else {
-        bail!(
-            "unknown synthetic preset {:?} (known: {})",
-            args.synthetic,
-            calla_model::synthetic::PRESETS.join(", ")
-        );
-    };
-    let format = match args.quant {
-        Quant::Q4 => Format::Q4,
-        Quant::Bf16 => Format::Bf16,
-        other => bail!("--quant {other}: the synthetic benchmark makes q4 or bf16 weights"),
-    };
     let kv_cache = match args.kv_cache.as_str() {
         "f32" => KvDtype::F32,
         "bf16" => KvDtype::Bf16,
         other => bail!("--kv-cache {other:?}: expected f32 or bf16"),
     };
-    let contexts = if args.sweep {
-        vec![512, 4096, 16384, 32768]
-    } else {
-        vec![args.context.unwrap_or(args.prompt_len)]
-    };
     let opts = BenchOptions {
-        format,
         prompt_len: args.prompt_len,
         gen_len: args.gen_len,
-        contexts,
+        contexts: decode_contexts(&args),
         rounds: args.rounds,
         warmup: args.warmup,
         kv_cache,
@@ -96,7 +96,49 @@ pub fn run(args: Args) -> Result<()> {
         prompt_precision: args.prompt_precision.to_cuda(),
         prompt_chunk: args.prompt_chunk,
     };
-    let report = bench::run(&spec, &args.synthetic, &opts)?;
+    let bars = Bars::new(!args.json);
+    let report = match &args.model {
+        Some(dir) => {
+            bars.begin(&format!("loading {}", dir.display()), 0, false);
+            let started = Instant::now();
+            let loaded = load_model(dir, &LoadOptions { quant: args.quant })
+                .with_context(|| format!("loading the checkpoint in {}", dir.display()))?;
+            let load_s = started.elapsed().as_secs_f64();
+            bars.end();
+            let name = dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| dir.display().to_string());
+            let model = BenchModel::Checkpoint {
+                name: &name,
+                spec: &loaded.spec,
+                weights: &loaded.weights,
+            };
+            let mut report = bench::run(model, &opts, &bars)?;
+            report.checkpoint_load_s = Some(load_s);
+            report
+        }
+        None => {
+            let preset = args.synthetic.as_deref().unwrap_or(DEFAULT_PRESET);
+            let Some(spec) = calla_model::synthetic::preset(preset) else {
+                bail!(
+                    "unknown synthetic preset {preset:?} (known: {})",
+                    calla_model::synthetic::PRESETS.join(", ")
+                );
+            };
+            let format = match args.quant.unwrap_or(Quant::Q4) {
+                Quant::Q4 => Format::Q4,
+                Quant::Bf16 => Format::Bf16,
+                other => bail!("--quant {other}: the synthetic benchmark makes q4 or bf16 weights"),
+            };
+            let model = BenchModel::Synthetic {
+                name: preset,
+                spec: &spec,
+                format,
+            };
+            bench::run(model, &opts, &bars)?
+        }
+    };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -105,18 +147,100 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// The contexts decode is measured at: the sweep's, else --context, else the prompt length.
+fn decode_contexts(args: &Args) -> Vec<usize> {
+    if args.sweep {
+        SWEEP_CONTEXTS.to_vec()
+    } else {
+        vec![args.context.unwrap_or(args.prompt_len)]
+    }
+}
+
+/// indicatif bars on stderr, one per phase; hidden with --json (and by indicatif itself when stderr
+/// is not a terminal).
+struct Bars {
+    shown: bool,
+    bar: Mutex<Option<ProgressBar>>,
+}
+
+impl Bars {
+    fn new(shown: bool) -> Bars {
+        Bars {
+            shown: shown && std::io::stderr().is_terminal(),
+            bar: Mutex::new(None),
+        }
+    }
+}
+
+impl Progress for Bars {
+    fn begin(&self, phase: &str, total: u64, bytes: bool) {
+        if !self.shown {
+            return;
+        }
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        let template = if bytes {
+            "{spinner} {msg} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec}, {elapsed})"
+        } else if total > 0 {
+            "{spinner} {msg} [{bar:30}] {pos}/{len} ({elapsed})"
+        } else {
+            "{spinner} {msg} ({elapsed})"
+        };
+        if let Ok(style) = ProgressStyle::with_template(template) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_message(phase.to_string());
+        bar.enable_steady_tick(Duration::from_millis(200));
+        if let Ok(mut slot) = self.bar.lock() {
+            if let Some(old) = slot.replace(bar) {
+                old.finish_and_clear();
+            }
+        }
+    }
+
+    fn set(&self, done: u64, total: u64) {
+        if let Ok(slot) = self.bar.lock() {
+            if let Some(bar) = slot.as_ref() {
+                if bar.length() != Some(total) {
+                    bar.set_length(total);
+                }
+                bar.set_position(done);
+            }
+        }
+    }
+
+    fn end(&self) {
+        if let Ok(mut slot) = self.bar.lock() {
+            if let Some(bar) = slot.take() {
+                bar.finish_and_clear();
+            }
+        }
+    }
+}
+
 fn print_table(r: &BenchReport) {
     let gb = |b: f64| b / 1e9;
     println!("device      {}", r.device);
     println!(
-        "model       {} ({}, KV cache {})",
-        r.model, r.format, r.kv_cache
+        "model       {} ({} {}, KV cache {})",
+        r.model, r.source, r.format, r.kv_cache
     );
-    println!(
-        "weights     {:.2} GB on the GPU (made in {:.1} s)",
-        gb(r.weight_bytes as f64),
-        r.weights_made_s
-    );
+    let made = if r.source == "synthetic" {
+        "made"
+    } else {
+        "uploaded"
+    };
+    match r.checkpoint_load_s {
+        Some(load_s) => println!(
+            "weights     {:.2} GB on the GPU (read from disk in {load_s:.1} s, {made} in {:.1} s)",
+            gb(r.weight_bytes as f64),
+            r.weights_made_s
+        ),
+        None => println!(
+            "weights     {:.2} GB on the GPU ({made} in {:.1} s)",
+            gb(r.weight_bytes as f64),
+            r.weights_made_s
+        ),
+    }
     println!("peak memory {:.2} GB", gb(r.peak_gpu_memory_bytes as f64));
     println!(
         "copy        {:.0} GB/s device-to-device (read + write)",
@@ -134,6 +258,11 @@ fn print_table(r: &BenchReport) {
         r.prefill.ttft_ms,
         r.prefill.tokens_per_s
     );
+    println!(
+        "read/token  {:.3} GB per decoded token at context {}",
+        gb(r.bytes_per_decoded_token),
+        r.decode.iter().map(|d| d.context).min().unwrap_or(0)
+    );
     println!("| context | tokens | ms/token | tok/s  | GB/token | GB/s   | of copy BW |");
     println!("|--------:|-------:|---------:|-------:|---------:|-------:|-----------:|");
     for d in &r.decode {
@@ -148,6 +277,21 @@ fn print_table(r: &BenchReport) {
             100.0 * d.fraction_of_copy_bandwidth
         );
     }
+    let yes_no = |b: bool| if b { "yes" } else { "no" };
+    println!(
+        "first token per round: {:?} (repeats: {})",
+        r.prefill.first_tokens,
+        yes_no(r.prefill.first_token_repeats)
+    );
+    for d in &r.decode {
+        println!(
+            "digest at context {:>6}: {} (repeats: {})",
+            d.context,
+            d.digests.join(" "),
+            yes_no(d.digest_repeats)
+        );
+    }
+    println!("digest repeats: {}", yes_no(r.digests_repeat));
     if !r.profile.is_empty() {
         let total: f64 = r.profile.iter().map(|p| p.2).sum();
         println!("decode step, kernel by kernel (no graph; {total:.0} µs in all):");
@@ -157,5 +301,50 @@ fn print_table(r: &BenchReport) {
                 100.0 * us / total
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
+        Cli::try_parse_from(std::iter::once("bench").chain(argv.iter().copied())).map(|c| c.args)
+    }
+
+    #[test]
+    fn model_and_synthetic_are_exclusive() {
+        let err = parse(&["--model", "m", "--synthetic", "tiny"]).err();
+        assert_eq!(
+            err.map(|e| e.kind()),
+            Some(clap::error::ErrorKind::ArgumentConflict)
+        );
+    }
+
+    #[test]
+    fn quant_is_optional_and_parsed() {
+        let a = parse(&["--model", "m"]).expect("parses");
+        assert_eq!(a.quant, None);
+        assert_eq!(a.model, Some(PathBuf::from("m")));
+        let a = parse(&["--synthetic", "tiny", "--quant", "bf16"]).expect("parses");
+        assert_eq!(a.quant, Some(Quant::Bf16));
+        assert!(parse(&["--quant", "q3"]).is_err());
+    }
+
+    #[test]
+    fn decode_contexts_sweep_then_context_then_prompt() {
+        let sweep = parse(&["--sweep", "--context", "100", "--json"]).expect("parses");
+        assert_eq!(decode_contexts(&sweep), vec![512, 4096, 32768, 131072]);
+        let one = parse(&["--context", "32768", "--prompt-len", "8192"]).expect("parses");
+        assert_eq!(decode_contexts(&one), vec![32768]);
+        let prompt = parse(&["--prompt-len", "8192"]).expect("parses");
+        assert_eq!(decode_contexts(&prompt), vec![8192]);
     }
 }

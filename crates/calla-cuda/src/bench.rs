@@ -1,6 +1,8 @@
-//! The synthetic benchmark at the real shape: a random model made on the GPU, prefill and decode
-//! timed after warm-up (medians over rounds), bytes moved per token against the measured copy
-//! bandwidth. `calla bench` (calla-cli/src/bench.rs) prints what this returns.
+//! The benchmark: a random model of a real shape made on the GPU (or a loaded checkpoint uploaded
+//! as `CudaBackend::new` does), prefill and decode timed after warm-up (medians over rounds), bytes
+//! moved per token against the device copy bandwidth measured in the same run, and a digest of the
+//! generated tokens per round (greedy on the same state: it must repeat). `calla bench`
+//! (calla-cli/src/bench.rs) prints what this returns.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -8,7 +10,7 @@ use std::time::Instant;
 use anyhow::{ensure, Result};
 use calla_engine::sampling::SamplingParams;
 use calla_engine::{Backend, Selection};
-use calla_model::{FeedForwardSpec, LayerKind, ModelSpec};
+use calla_model::{FeedForwardSpec, LayerKind, ModelSpec, Weights};
 use cudarc::driver::sys;
 use serde::Serialize;
 
@@ -17,12 +19,57 @@ use crate::gpu::Gpu;
 use crate::pool::Arena;
 use crate::sequence::CudaSequence;
 use crate::synthetic;
-use crate::weights::{DevFfn, DevMixer, DevModel, Format};
+use crate::weights::{self, DevFfn, DevMatrix, DevMixer, DevModel, Format};
 use crate::KvDtype;
+
+/// What is benchmarked.
+pub enum BenchModel<'a> {
+    /// Random weights of `spec`'s shape made on the GPU in `format` (q4 or bf16).
+    Synthetic {
+        name: &'a str,
+        spec: &'a ModelSpec,
+        format: Format,
+    },
+    /// A loaded checkpoint, uploaded as `CudaBackend::new` uploads it.
+    Checkpoint {
+        name: &'a str,
+        spec: &'a ModelSpec,
+        weights: &'a Weights,
+    },
+}
+
+impl BenchModel<'_> {
+    fn spec(&self) -> &ModelSpec {
+        match self {
+            BenchModel::Synthetic { spec, .. } | BenchModel::Checkpoint { spec, .. } => spec,
+        }
+    }
+    fn name(&self) -> &str {
+        match self {
+            BenchModel::Synthetic { name, .. } | BenchModel::Checkpoint { name, .. } => name,
+        }
+    }
+}
+
+/// Progress of the long phases (drawn by the caller; the timed loops only report between rounds).
+pub trait Progress: Sync {
+    /// A new phase; `total` = 0 when unknown yet; `bytes`: the counts are bytes, else steps.
+    fn begin(&self, phase: &str, total: u64, bytes: bool);
+    fn set(&self, done: u64, total: u64);
+    fn end(&self);
+}
+
+/// No progress shown.
+pub struct Quiet;
+
+impl Progress for Quiet {
+    fn begin(&self, _: &str, _: u64, _: bool) {}
+    fn set(&self, _: u64, _: u64) {}
+    fn end(&self) {}
+}
 
 #[derive(Debug, Clone)]
 pub struct BenchOptions {
-    pub format: Format,
     pub prompt_len: usize,
     pub gen_len: usize,
     /// decode measured at these context lengths (tokens already in the sequence)
@@ -47,6 +94,9 @@ pub struct PrefillResult {
     /// median over rounds: the prompt step including the first token's selection (= TTFT)
     pub ttft_ms: f64,
     pub tokens_per_s: f64,
+    /// the first generated token of each timed round (same prompt, fresh sequence: must repeat)
+    pub first_tokens: Vec<u32>,
+    pub first_token_repeats: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -61,16 +111,30 @@ pub struct DecodeResult {
     pub achieved_gb_s: f64,
     /// achieved / measured device copy bandwidth
     pub fraction_of_copy_bandwidth: f64,
+    /// per round: FNV-1a 64 (hex) of the tokens generated in the round (warm-up and timed steps,
+    /// each id as 4 little-endian bytes); every round starts from the same state
+    pub digests: Vec<String>,
+    pub digest_repeats: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
     pub device: String,
     pub model: String,
+    /// "synthetic" (random weights made on the GPU) or "checkpoint"
+    pub source: String,
+    /// the weight format; for a checkpoint the formats on the GPU, largest share first
     pub format: String,
     pub kv_cache: String,
     pub weight_bytes: usize,
+    /// seconds to make (synthetic) or upload (checkpoint) the weights on the GPU
     pub weights_made_s: f64,
+    /// seconds to read the checkpoint from disk (set by the caller; None for synthetic)
+    pub checkpoint_load_s: Option<f64>,
+    /// bytes one decode step reads at the smallest measured context (weights + state + KV)
+    pub bytes_per_decoded_token: f64,
+    /// every round's prefill first token and decode digest agreed
+    pub digests_repeat: bool,
     /// device-to-device copy, bytes read + written per second
     pub copy_gb_s: f64,
     pub launches_per_token: usize,
@@ -217,18 +281,9 @@ fn fake_context(be: &CudaBackend, seq: &mut CudaSequence, context: usize, seed: 
     Ok(())
 }
 
-pub fn run(spec: &ModelSpec, model_name: &str, opts: &BenchOptions) -> Result<BenchReport> {
-    ensure!(
-        opts.prompt_len >= 1 && opts.gen_len >= 1 && opts.rounds >= 1,
-        "prompt, gen and rounds must be ≥ 1"
-    );
-    let gpu = Gpu::new(0)?;
-    let copy_gb_s = copy_bandwidth(&gpu)?;
-    let mut arena = Arena::new(&gpu, 1 << 30);
-    let model = synthetic::synthetic_model(&gpu, &mut arena, spec, opts.format, opts.seed)?;
-    let weights_made_s = model.upload_seconds;
-    let max_ctx = opts
-        .contexts
+/// Positions each sequence must hold: the largest context (or the prompt) plus the decode steps.
+pub fn context_capacity(opts: &BenchOptions) -> usize {
+    opts.contexts
         .iter()
         .copied()
         .max()
@@ -236,15 +291,106 @@ pub fn run(spec: &ModelSpec, model_name: &str, opts: &BenchOptions) -> Result<Be
         .max(opts.prompt_len)
         + opts.gen_len
         + opts.warmup
-        + 8;
+        + 8
+}
+
+/// FNV-1a 64 over token ids, each as 4 little-endian bytes.
+pub fn token_digest(tokens: &[u32]) -> u64 {
+    fnv1a_64(tokens.iter().flat_map(|t| t.to_le_bytes()))
+}
+
+fn fnv1a_64(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3)
+    })
+}
+
+fn all_equal<T: PartialEq>(v: &[T]) -> bool {
+    v.windows(2).all(|w| w[0] == w[1])
+}
+
+/// The formats of the matrices on the GPU, largest share of bytes first ("q4 + q8 + bf16").
+fn describe_formats(model: &DevModel) -> String {
+    let mut mats: Vec<&DevMatrix> = vec![&model.embed, &model.lm_head];
+    for layer in &model.layers {
+        match &layer.mixer {
+            DevMixer::DeltaNet(d) => mats.extend(d.in_proj.iter().chain([&d.out_proj])),
+            DevMixer::Attention(a) => mats.extend(a.in_proj.iter().chain([&a.o_proj])),
+        }
+        match &layer.ffn {
+            DevFfn::Moe(m) => {
+                mats.extend([&m.router, &m.gate_up, &m.down]);
+                if let Some((a, b)) = &m.shared {
+                    mats.extend([a, b]);
+                }
+            }
+            DevFfn::Dense(m) => mats.extend([&m.gate_up, &m.down]),
+        }
+    }
+    let mut by_format: Vec<(&'static str, usize)> = Vec::new();
+    for m in mats {
+        let name = m.format.suffix();
+        match by_format.iter_mut().find(|(n, _)| *n == name) {
+            Some(e) => e.1 += m.bytes(),
+            None => by_format.push((name, m.bytes())),
+        }
+    }
+    by_format.sort_by_key(|e| std::cmp::Reverse(e.1));
+    by_format
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>()
+        .join(" + ")
+}
+
+fn used_memory(gpu: &Gpu) -> usize {
+    gpu.memory_info()
+        .map(|(free, total)| total - free)
+        .unwrap_or(0)
+}
+
+pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> Result<BenchReport> {
+    ensure!(
+        opts.prompt_len >= 1 && opts.gen_len >= 1 && opts.rounds >= 1,
+        "prompt, gen and rounds must be ≥ 1"
+    );
+    let spec = model.spec();
+    let gpu = Gpu::new(0)?;
+    progress.begin("measuring device copy bandwidth", 0, false);
+    let copy_gb_s = copy_bandwidth(&gpu)?;
+    progress.end();
+    let mut arena = Arena::new(&gpu, 1 << 30);
+    let (source, dev_model) = match &model {
+        BenchModel::Synthetic { format, .. } => {
+            progress.begin("making random weights on the GPU", 0, false);
+            let m = synthetic::synthetic_model(&gpu, &mut arena, spec, *format, opts.seed)?;
+            progress.end();
+            ("synthetic", m)
+        }
+        BenchModel::Checkpoint { weights, .. } => {
+            // The steps of CudaBackend::new, with the upload's progress drawn by the caller.
+            crate::deltanet::check_dims(spec)?;
+            crate::attention::check_dims(spec)?;
+            progress.begin("uploading weights to the GPU", 0, true);
+            let report = |done: usize, total: usize| progress.set(done as u64, total as u64);
+            let m = weights::upload_model(&gpu, &mut arena, spec, weights, Some(&report))?;
+            progress.end();
+            ("checkpoint", m)
+        }
+    };
+    let weights_made_s = dev_model.upload_seconds;
+    let format = match &model {
+        BenchModel::Synthetic { format, .. } => format.suffix().to_string(),
+        BenchModel::Checkpoint { .. } => describe_formats(&dev_model),
+    };
     let copts = CudaOptions {
-        max_context: Some(max_ctx),
+        max_context: Some(context_capacity(opts)),
         kv_cache: opts.kv_cache,
         prompt_precision: opts.prompt_precision,
         prompt_chunk: opts.prompt_chunk,
         ..Default::default()
     };
-    let mut be = CudaBackend::from_device_model(gpu.clone(), spec, model, arena, &copts)?;
+    let mut be = CudaBackend::from_device_model(gpu.clone(), spec, dev_model, arena, &copts)?;
     let params = SamplingParams::greedy();
     let mut rng = calla_rng(opts.seed);
     let prompt: Vec<u32> = (0..opts.prompt_len)
@@ -260,19 +406,25 @@ pub fn run(spec: &ModelSpec, model_name: &str, opts: &BenchOptions) -> Result<Be
 
     // Prefill (TTFT): one warm-up, then rounds on fresh sequences.
     let mut ttft = Vec::new();
+    let mut first_tokens = Vec::new();
+    progress.begin(
+        &format!("prefill {} tokens (warm-up + rounds)", opts.prompt_len),
+        (opts.rounds + 1) as u64,
+        false,
+    );
     for round in 0..=opts.rounds {
         let mut seq = be.new_sequence()?;
         let t = Instant::now();
-        be.step(seq.as_mut(), &prompt, &sel(0))?;
+        let first = be.step(seq.as_mut(), &prompt, &sel(0))?.token;
         if round > 0 {
             ttft.push(t.elapsed().as_secs_f64());
+            first_tokens.push(first);
         }
+        progress.set(round as u64 + 1, (opts.rounds + 1) as u64);
     }
+    progress.end();
     let ttft_s = median(ttft);
-    let mut peak = gpu
-        .memory_info()
-        .map(|(free, total)| total - free)
-        .unwrap_or(0);
+    let mut peak = used_memory(&gpu);
 
     let mut decode = Vec::new();
     let contexts = if opts.contexts.is_empty() {
@@ -282,30 +434,39 @@ pub fn run(spec: &ModelSpec, model_name: &str, opts: &BenchOptions) -> Result<Be
     };
     for &context in &contexts {
         let mut per_round = Vec::new();
+        let mut digests = Vec::new();
+        progress.begin(
+            &format!("decode at context {context} (warm-up + rounds)"),
+            opts.rounds as u64,
+            false,
+        );
         for round in 0..opts.rounds {
             let mut seq = be.new_sequence()?;
             let cs = seq
                 .as_any_mut()
                 .downcast_mut::<CudaSequence>()
                 .expect("cuda sequence");
-            fake_context(&be, cs, context, opts.seed + round as u64)?;
+            // The same fake state every round: greedy decode from it must give the same tokens.
+            fake_context(&be, cs, context, opts.seed)?;
+            let mut generated = Vec::with_capacity(opts.warmup + opts.gen_len);
             let mut token = prompt[0];
             for i in 0..opts.warmup {
                 token = be.step(seq.as_mut(), &[token], &sel(i as u64))?.token;
+                generated.push(token);
             }
             let t = Instant::now();
             for i in 0..opts.gen_len {
                 token = be
                     .step(seq.as_mut(), &[token], &sel((opts.warmup + i) as u64))?
                     .token;
+                generated.push(token);
             }
             per_round.push(t.elapsed().as_secs_f64() / opts.gen_len as f64);
-            peak = peak.max(
-                gpu.memory_info()
-                    .map(|(free, total)| total - free)
-                    .unwrap_or(0),
-            );
+            digests.push(format!("{:016x}", token_digest(&generated)));
+            peak = peak.max(used_memory(&gpu));
+            progress.set(round as u64 + 1, opts.rounds as u64);
         }
+        progress.end();
         let s = median(per_round);
         let bytes = bytes_per_token(spec, &be.model, be.layout().kv_bytes_per_token, context);
         let gb_s = bytes / s / 1e9;
@@ -317,11 +478,14 @@ pub fn run(spec: &ModelSpec, model_name: &str, opts: &BenchOptions) -> Result<Be
             bytes_per_token: bytes,
             achieved_gb_s: gb_s,
             fraction_of_copy_bandwidth: gb_s / copy_gb_s,
+            digest_repeats: all_equal(&digests),
+            digests,
         });
     }
     let mut profile = Vec::new();
     if opts.profile {
         let context = *contexts.last().unwrap_or(&opts.prompt_len);
+        progress.begin("profiling the decode step kernel by kernel", 0, false);
         let mut seq = be.new_sequence()?;
         let cs = seq
             .as_any_mut()
@@ -330,14 +494,27 @@ pub fn run(spec: &ModelSpec, model_name: &str, opts: &BenchOptions) -> Result<Be
         fake_context(&be, cs, context, opts.seed + 99)?;
         be.step(seq.as_mut(), &[prompt[0]], &sel(0))?;
         profile = be.profile_decode(seq.as_mut(), prompt[1 % prompt.len()], 20)?;
+        progress.end();
     }
+    let first_token_repeats = all_equal(&first_tokens);
+    let digests_repeat = first_token_repeats && decode.iter().all(|d| d.digest_repeats);
+    let smallest = contexts.iter().copied().min().unwrap_or(opts.prompt_len);
     Ok(BenchReport {
         device: be.describe(),
-        model: model_name.to_string(),
-        format: opts.format.suffix().to_string(),
+        model: model.name().to_string(),
+        source: source.to_string(),
+        format,
         kv_cache: format!("{:?}", opts.kv_cache).to_lowercase(),
         weight_bytes: be.model.bytes,
         weights_made_s,
+        checkpoint_load_s: None,
+        bytes_per_decoded_token: bytes_per_token(
+            spec,
+            &be.model,
+            be.layout().kv_bytes_per_token,
+            smallest,
+        ),
+        digests_repeat,
         copy_gb_s,
         launches_per_token: be.report.launches_per_token,
         decode_graph: true,
@@ -351,6 +528,8 @@ pub fn run(spec: &ModelSpec, model_name: &str, opts: &BenchOptions) -> Result<Be
             chunk: opts.prompt_chunk,
             ttft_ms: ttft_s * 1e3,
             tokens_per_s: opts.prompt_len as f64 / ttft_s,
+            first_token_repeats,
+            first_tokens,
         },
         decode,
         profile,
@@ -366,5 +545,57 @@ fn calla_rng(seed: u64) -> impl FnMut() -> u64 {
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv1a_64_matches_the_published_vectors() {
+        // Test vectors of the FNV reference (isthe.com/chongo/tech/comp/fnv): "", "a", "foobar".
+        assert_eq!(fnv1a_64(*b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a_64(*b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a_64(*b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn token_digest_hashes_little_endian_ids_and_sees_order() {
+        let ids = [0x6261u32, 7, 248_319];
+        let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(token_digest(&ids), fnv1a_64(bytes));
+        assert_ne!(token_digest(&[1, 2]), token_digest(&[2, 1]));
+        assert_ne!(token_digest(&[1]), token_digest(&[1, 0]));
+    }
+
+    #[test]
+    fn capacity_fits_the_largest_context_and_the_decode_steps() {
+        let opts = BenchOptions {
+            prompt_len: 512,
+            gen_len: 64,
+            contexts: vec![512, 4096, 32768, 131072],
+            rounds: 2,
+            warmup: 8,
+            kv_cache: KvDtype::F32,
+            seed: 1,
+            profile: false,
+            prompt_precision: None,
+            prompt_chunk: 8192,
+        };
+        assert_eq!(context_capacity(&opts), 131072 + 64 + 8 + 8);
+        let prompt_longer = BenchOptions {
+            prompt_len: 8192,
+            contexts: vec![4096],
+            ..opts
+        };
+        assert_eq!(context_capacity(&prompt_longer), 8192 + 64 + 8 + 8);
+    }
+
+    #[test]
+    fn all_equal_needs_every_round_to_agree() {
+        assert!(all_equal::<u32>(&[]));
+        assert!(all_equal(&["a", "a", "a"]));
+        assert!(!all_equal(&["a", "a", "b"]));
     }
 }
