@@ -16,6 +16,7 @@ BIN=.gpu-bin
 [ -d .gpu-bin/kernel-cache ] && cp -r .gpu-bin/kernel-cache /tmp/calla-kernels 2>/dev/null
 export CALLA_KERNEL_CACHE=${CALLA_KERNEL_CACHE:-/tmp/calla-kernels}
 export RUST_BACKTRACE=1
+export CALLA_FIXTURES=${CALLA_FIXTURES:-$PWD/tests/fixtures}
 REAL=/tmp/calla-real-shape
 echo "commit $(cat $BIN/COMMIT 2>/dev/null | tr '\n' ' ')"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || true

@@ -220,11 +220,120 @@ template <> struct Fmt<FMT_Q8> {
     }
 };
 
-// Activations in shared memory are stored with one pad float after every 32 ("padded index"), so
-// the lanes of a warp — each reading the W consecutive values of its own unit — hit different banks.
-// A unit's values stay contiguous (units never straddle a 32-value boundary).
-__host__ __device__ __forceinline__ int xpad(int i) { return i + (i >> 5); }
-__host__ __device__ __forceinline__ int xpad_len(int n) { return n + (n >> 5) + 1; }
+// ---------------------------------------------------------------- the decode dot-product engine
+// Activations in shared memory are stored with 4 pad floats after every 32 ("padded index" xpad):
+// a unit's values (W = 4, 8, 16 or 32 floats) stay contiguous and 16-byte aligned, so they are read
+// as float4, and the 8 lanes of one LDS.128 phase — each reading its own unit — hit 8 different
+// bank quads for every format (lane L's unit starts at bank quad L mod 8 for q4, etc.).
+__host__ __device__ __forceinline__ int xpad(int i) { return i + ((i >> 5) << 2); }
+__host__ __device__ __forceinline__ int xpad_len(int n) { return n + (((n + 31) >> 5) << 2); }
+
+// 16-byte read-only load the compiler may schedule freely (no `volatile`), so a batch of them is
+// issued back to back before the first use.
+__device__ __forceinline__ uint4 ldg16(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ldg_u32(const void* p) {
+    u32 v;
+    asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float2 ldg_f2(const void* p) {
+    float2 v;
+    asm("ld.global.nc.v2.f32 {%0,%1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    return v;
+}
+
+// The code q (0..15 or 0..255) as a float without the quarter-rate integer conversion: the bits
+// 0x4B000000 | q are the float 2^23 + q exactly, and subtracting 2^23 leaves q exactly.
+__device__ __forceinline__ float code_to_f32(u32 q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
+
+// Σ code·x (affine formats) or Σ w·x (float formats) over one 16-byte unit, for R rows that share
+// the same activations x (16-byte aligned, shared memory): each x value is read once for R rows.
+template <int FMT, int R> struct UnitDot;
+
+template <int R> struct UnitDot<FMT_F32, R> {
+    __device__ static __forceinline__ void run(const uint4 (&w)[R], const float* x, float (&q)[R]) {
+        const float4 a = *(const float4*)x;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            q[r] = fmaf(__uint_as_float(w[r].w), a.w, fmaf(__uint_as_float(w[r].z), a.z,
+                   fmaf(__uint_as_float(w[r].y), a.y, __uint_as_float(w[r].x) * a.x)));
+    }
+};
+
+template <int R> struct UnitDot<FMT_BF16, R> {
+    __device__ static __forceinline__ void run(const uint4 (&w)[R], const float* x, float (&q)[R]) {
+        const float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float acc = bf16_lo(w[r].x) * a.x;
+            acc = fmaf(bf16_hi(w[r].x), a.y, acc);
+            acc = fmaf(bf16_lo(w[r].y), a.z, acc);
+            acc = fmaf(bf16_hi(w[r].y), a.w, acc);
+            acc = fmaf(bf16_lo(w[r].z), b.x, acc);
+            acc = fmaf(bf16_hi(w[r].z), b.y, acc);
+            acc = fmaf(bf16_lo(w[r].w), b.z, acc);
+            q[r] = fmaf(bf16_hi(w[r].w), b.w, acc);
+        }
+    }
+};
+
+template <int R> struct UnitDot<FMT_F16, R> {
+    __device__ static __forceinline__ void run(const uint4 (&w)[R], const float* x, float (&q)[R]) {
+        const float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float acc = f16_lo(w[r].x) * a.x;
+            acc = fmaf(f16_hi(w[r].x), a.y, acc);
+            acc = fmaf(f16_lo(w[r].y), a.z, acc);
+            acc = fmaf(f16_hi(w[r].y), a.w, acc);
+            acc = fmaf(f16_lo(w[r].z), b.x, acc);
+            acc = fmaf(f16_hi(w[r].z), b.y, acc);
+            acc = fmaf(f16_lo(w[r].w), b.z, acc);
+            q[r] = fmaf(f16_hi(w[r].w), b.w, acc);
+        }
+    }
+};
+
+// q4: 8 codes per u32 word, low nibble first. Same summation order as Fmt<FMT_Q4>::dot.
+template <int R> struct UnitDot<FMT_Q4, R> {
+    __device__ static __forceinline__ void run(const uint4 (&w)[R], const float* x, float (&q)[R]) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) q[r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float4 a = *(const float4*)(x + 8 * i), b = *(const float4*)(x + 8 * i + 4);
+            const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const u32 word = i == 0 ? w[r].x : i == 1 ? w[r].y : i == 2 ? w[r].z : w[r].w;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) q[r] = fmaf(code_to_f32((word >> (4 * j)) & 15u), xv[j], q[r]);
+            }
+        }
+    }
+};
+
+template <int R> struct UnitDot<FMT_Q8, R> {
+    __device__ static __forceinline__ void run(const uint4 (&w)[R], const float* x, float (&q)[R]) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) q[r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float4 a = *(const float4*)(x + 4 * i);
+            const float xv[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const u32 word = i == 0 ? w[r].x : i == 1 ? w[r].y : i == 2 ? w[r].z : w[r].w;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) q[r] = fmaf(code_to_f32((word >> (8 * j)) & 255u), xv[j], q[r]);
+            }
+        }
+    }
+};
 
 // A matrix as kernels see it: codes/values and (for affine formats) interleaved group parameters.
 struct MatrixRef {
@@ -246,27 +355,59 @@ __device__ __forceinline__ float2 load_group_params(const MatrixRef& m, i64 row,
     return r;
 }
 
-// Partial dot product of one row with x (length K, in shared memory, padded: xpad), over the units lane, lane+width,
-// …; the caller reduces over its `width` lanes. `group_size` is the affine group size G.
-template <int FMT>
-__device__ __forceinline__ float row_dot_partial(const MatrixRef& m, i64 row, const float* x, int K,
-                                                 int lane, int width, int group_size) {
+// Where one row's codes and group parameters start.
+struct RowPtr {
+    const u8* data;
+    const u8* params; // affine only
+    int param_f32;
+};
+__device__ __forceinline__ RowPtr row_ptr(const MatrixRef& m, i64 row) {
+    RowPtr r;
+    r.data = (const u8*)m.data + row * m.row_bytes;
+    r.params = (const u8*)m.params + row * (i64)m.groups_per_row * (m.param_f32 ? 8 : 4);
+    r.param_f32 = m.param_f32;
+    return r;
+}
+__device__ __forceinline__ float2 row_group_params(const RowPtr& r, int g) {
+    if (r.param_f32) return ldg_f2(r.params + (i64)g * 8);
+    const u32 pair = ldg_u32(r.params + (i64)g * 4);
+    return make_float2(bf16_lo(pair), bf16_hi(pair));
+}
+
+// Partial dot products of R rows with x (shared memory, padded layout xpad) over the units lane,
+// lane + width, …; the caller reduces over its `width` lanes. U units per row are loaded before any
+// is used, so R·U 16-byte loads per lane are in flight at once. `usum` [units] holds Σx over each
+// unit (affine formats: Σ (s·q + b)·x = s·Σ q·x + b·Σ x). `units_per_group` = G / W.
+template <int FMT, int R, int U>
+__device__ __forceinline__ void rows_dot(const RowPtr (&rows)[R], const float* x, const float* usum, int units,
+                                         int lane, int width, int units_per_group, float (&acc)[R]) {
     typedef Fmt<FMT> F;
-    const u8* base = (const u8*)m.data + row * m.row_bytes;
-    const int units = K / F::W;
-    float acc = 0.0f;
-#pragma unroll 4
-    for (int u = lane; u < units; u += width) {
-        const uint4 w = ld_nc_16(base + (i64)u * 16);
-        float scale = 1.0f, bias = 0.0f;
-        if (F::AFFINE) {
-            const float2 p = load_group_params(m, row, (u * F::W) / group_size);
-            scale = p.x;
-            bias = p.y;
+    for (int u0 = lane; u0 < units; u0 += U * width) {
+        uint4 w[U][R];
+        float2 sb[U][R];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int u = u0 + k * width;
+            if (u < units) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    w[k][r] = ldg16(rows[r].data + (i64)u * 16);
+                    if (F::AFFINE) sb[k][r] = row_group_params(rows[r], u / units_per_group);
+                }
+            }
         }
-        acc += F::dot(w, x + xpad(u * F::W), scale, bias);
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int u = u0 + k * width;
+            if (u < units) {
+                float q[R];
+                UnitDot<FMT, R>::run(w[k], x + xpad(u * F::W), q);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    acc[r] += F::AFFINE ? fmaf(sb[k][r].x, q[r], sb[k][r].y * usum[u]) : q[r];
+            }
+        }
     }
-    return acc;
 }
 
 // Lanes that share one row: the largest power of two ≤ min(32, units per row).
@@ -276,10 +417,12 @@ __host__ __device__ __forceinline__ int lanes_per_row(int units) {
     return w;
 }
 
-// Load x [K] into shared memory (padded layout, xpad), applying the zero-centred RMSNorm when `gain` (= 1 + w) is given:
-// x̂ = x · (1/√(mean(x²) + eps)) · gain (calla_cpu::norm::rms_norm_zero_centred). Ends with a barrier.
-__device__ __forceinline__ void load_input(const float* x, const float* gain, float eps, int K,
-                                           float* xs, float* red) {
+// Load x [K] into shared memory (padded layout, xpad), applying the zero-centred RMSNorm when `gain`
+// (= 1 + w) is given: x̂ = x · (1/√(mean(x²) + eps)) · gain (calla_cpu::norm::rms_norm_zero_centred).
+// When `unit` > 0 also writes usum[u] = Σ x̂ over unit u (the `unit` values from u·unit), summed in
+// order. Ends with a barrier.
+__device__ __forceinline__ void load_input(const float* x, const float* gain, float eps, int K, float* xs,
+                                           float* usum, int unit, float* red) {
     float ss = 0.0f;
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
         const float v = x[i];
@@ -290,6 +433,15 @@ __device__ __forceinline__ void load_input(const float* x, const float* gain, fl
         const float total = block_sum(ss, red);
         const float inv = 1.0f / sqrtf(total / (float)K + eps); // x̂ = x / √(mean(x²) + eps)
         for (int i = threadIdx.x; i < K; i += blockDim.x) xs[xpad(i)] = xs[xpad(i)] * inv * gain[i];
+    }
+    if (unit > 0) {
+        __syncthreads();
+        for (int u = threadIdx.x; u < K / unit; u += blockDim.x) {
+            const float* v = xs + xpad(u * unit);
+            float s = 0.0f;
+            for (int j = 0; j < unit; ++j) s += v[j];
+            usum[u] = s;
+        }
     }
     __syncthreads();
 }

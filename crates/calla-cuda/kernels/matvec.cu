@@ -6,10 +6,16 @@
 //   y_seg[r] (+)= Σ_c W_seg[r, c] · x̂[c]          for each of up to 4 segments (stacked projections
 //                                                  that share the input, each with its own output)
 // Shapes: x [K] f32; W_seg [rows_seg, K] in one format (common.cuh); y_seg [rows_seg] f32.
-// Launch: grid ≤ rows/(256/width) blocks (grid-stride over rows), block 256, dynamic smem
-//   xpad_len(K)·4 bytes (x in the padded layout of common.cuh).
-//   `width` = lanes per row = lanes_per_row(K / weights-per-unit): 32 for K ≥ 1024 in q4, so a warp
-//   reads one row as 16-byte loads, 512 contiguous bytes per instruction.
+// Launch: grid ≤ the blocks that fit on the GPU at once (grid-stride over rows, so the x prologue
+//   runs once per block), block 256, dynamic smem (xpad_len(K) + K/W)·4 bytes (x̂ in the padded layout
+//   of common.cuh, then Σx̂ per unit).
+//   `width` = lanes per row = lanes_per_row(K / W): 32 for K ≥ 1024 in q4, so a warp reads a row as
+//   16-byte loads, 512 contiguous bytes per instruction. Each lane group takes R consecutive rows and
+//   keeps R·U loads in flight (rows_dot); R rows share every x̂ read from shared memory.
+//   Two shapes: _r4 (R 4, U 2: K/W ≤ 2·width, the in-projections) and _r2 (R 2, U 4: longer rows).
+// Why not one row per warp: at K = 2048 a warp's row is 2 loads per lane, so the block's prologue
+// (x̂ from L2, norm, barriers) outweighed its weight traffic and the kernel ran at ~15% of the copy
+// bandwidth (docs/performance.md).
 // Bytes per call: Σ_seg rows·K·bits/8 (+ group params) of weights, K·4 of x per block (from L2).
 
 #define MATVEC_THREADS 256
@@ -34,37 +40,55 @@ struct MatvecParams {
     int total_rows;
 };
 
-template <int FMT>
+template <int FMT, int R, int U>
 __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
-    extern __shared__ float xs[];
+    typedef Fmt<FMT> F;
+    extern __shared__ float4 smem4[];
+    float* xs = (float*)smem4;
+    float* usum = xs + xpad_len(p.K);
     __shared__ float red[32];
     griddep_launch_dependents();
     griddep_wait();
-    load_input((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, red);
+    load_input((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, F::AFFINE ? F::W : 0, red);
 
-    const int width = lanes_per_row(p.K / Fmt<FMT>::W);
-    const int rows_per_pass = blockDim.x / width;
+    const int units = p.K / F::W;
+    const int width = lanes_per_row(units);
+    const int rows_per_pass = blockDim.x / width * R;
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
+    const int units_per_group = F::AFFINE ? p.group_size / F::W : 1;
     // Every thread runs the same number of passes so the shuffles in group_sum see full warps.
     for (int base = blockIdx.x * rows_per_pass; base < p.total_rows; base += gridDim.x * rows_per_pass) {
-        const int row = base + group;
-        const bool valid = row < p.total_rows;
-        int s = 0, r = row;
-        while (s < p.nseg - 1 && r >= p.seg[s].rows) {
-            r -= p.seg[s].rows;
-            ++s;
+        RowPtr rows[R];
+        int seg_of[R], local[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            int r = min(base + group * R + i, p.total_rows - 1), s = 0; // past the end: re-read the last row
+            while (s < p.nseg - 1 && r >= p.seg[s].rows) {
+                r -= p.seg[s].rows;
+                ++s;
+            }
+            seg_of[i] = s;
+            local[i] = r;
+            rows[i] = row_ptr(p.seg[s].m, r);
         }
-        float acc = valid ? row_dot_partial<FMT>(p.seg[s].m, r, xs, p.K, lane, width, p.group_size) : 0.0f;
-        acc = group_sum(acc, width);
-        if (valid && lane == 0) {
-            float* y = (float*)p.seg[s].out;
-            y[r] = p.accumulate ? y[r] + acc : acc;
+        float acc[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+        rows_dot<FMT, R, U>(rows, xs, usum, units, lane, width, units_per_group, acc);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const float v = group_sum(acc[i], width);
+            if (lane == 0 && base + group * R + i < p.total_rows) {
+                float* y = (float*)p.seg[seg_of[i]].out;
+                y[local[i]] = p.accumulate ? y[local[i]] + v : v;
+            }
         }
     }
 }
 
 #define MATVEC_KERNEL(name, FMT) \
-    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) name(const MatvecParams p) { matvec_body<FMT>(p); }
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) name##_r4(const MatvecParams p) { matvec_body<FMT, 4, 2>(p); } \
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) name##_r2(const MatvecParams p) { matvec_body<FMT, 2, 4>(p); }
 MATVEC_KERNEL(matvec_f32, FMT_F32)
 MATVEC_KERNEL(matvec_bf16, FMT_BF16)
 MATVEC_KERNEL(matvec_f16, FMT_F16)

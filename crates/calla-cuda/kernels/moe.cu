@@ -8,18 +8,25 @@
 //   h ← h + Σ_k w_k · down_k·act_k + sg · down_shared·act_shared
 // A dense SwiGLU MLP (Qwen3.5 dense) is the same with only the "shared" slot, weight 1.
 //
-// moe_router_*:  grid ⌈(E+1)/8⌉ blocks × 256 threads, one warp per router row (+ the shared-gate row);
-//                each block normalises h itself (D·4 bytes from L2). The last block to finish (atomic
-//                ticket) does softmax + top-A in one warp and resets the ticket: no host round trip.
-// moe_gate_up_*: grid (⌈I/8⌉, slots), 256 threads; warp = one row j of one slot: gate_j and up_j dots,
+// All three use the dot-product engine of common.cuh (rows_dot: R rows share each x̂ read, R·U
+// 16-byte weight loads in flight per lane, Σx̂ per unit precomputed for the affine bias term).
+// moe_router_*:  grid ⌈E/(rows per block)⌉ (+1 block for the shared-expert gate row) × 256 threads,
+//                2 router rows per lane group; each block normalises h itself (D·4 bytes from L2).
+//                The last block to finish (atomic ticket) does softmax + top-A with all its threads
+//                (each logit's rank = how many beat it, ties to the lower id) and resets the ticket:
+//                no host round trip.
+// moe_gate_up_*: grid (⌈n/(2·groups)⌉, slots), 256 threads; a lane group takes rows j, j+1 of one
+//                slot: gate_j, gate_j+1, up_j, up_j+1 in one rows_dot (R = 4), then
 //                act[slot, j] = silu(gate_j)·up_j. Expert ids are read from the device top-A list.
-// moe_down_*:    grid ⌈D/8⌉, 256 threads, smem slots·xpad_len(act_stride) floats; warp = one output row r: Σ over slots and units (flattened,
-//                so K = I = 512 still keeps 32 lanes busy), weighted per slot; h[r] += result.
+// moe_down_*:    grid ⌈D/16⌉, 256 threads, smem: the slots' activations (padded) and their Σ per
+//                unit; a warp takes 2 output rows r: Σ over slots and units (flattened, so I = 512
+//                still keeps 32 lanes busy), weighted per slot; h[r] += result.
 // Bytes per token (real shape, q4): router E·D·(8 bits) + 9·3·I·D·4.5 bits ≈ 15.9 MB per layer.
 
 #define MOE_THREADS 256
 #define MOE_MAX_E 1024
 #define MOE_MAX_A 32
+#define ROUTER_ROWS 2 // router rows per lane group
 
 struct RouterParams {
     u64 h;           // [D]
@@ -38,26 +45,42 @@ struct RouterParams {
 
 template <int FMT>
 __device__ __forceinline__ void router_body(const RouterParams& p) {
-    extern __shared__ float xs[];
+    typedef Fmt<FMT> F;
+    extern __shared__ float4 smem4[];
+    float* xs = (float*)smem4;
+    float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
     __shared__ int is_last;
     griddep_launch_dependents();
     griddep_wait();
-    load_input((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, red);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    load_input((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, F::AFFINE ? F::W : 0, red);
     float* logits = (float*)p.logits;
     if (blockIdx.x == 0)
         for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
-    const int row = blockIdx.x * nwarps + warp;
-    if (row < p.E) {
-        const float acc = warp_sum(row_dot_partial<FMT>(p.router, row, xs, p.D, lane, 32, p.group_size));
-        if (lane == 0) logits[row] = acc;
-    } else if (row == p.E && p.shared_gate) {
+    const int units = p.D / F::W, width = lanes_per_row(units);
+    const int group = threadIdx.x / width, lane = threadIdx.x % width;
+    const int rows_per_block = blockDim.x / width * ROUTER_ROWS;
+    const bool gate_block = p.shared_gate && blockIdx.x == gridDim.x - 1;
+    if (!gate_block) {
+        const int row0 = blockIdx.x * rows_per_block + group * ROUTER_ROWS;
+        RowPtr rows[ROUTER_ROWS];
+#pragma unroll
+        for (int i = 0; i < ROUTER_ROWS; ++i) rows[i] = row_ptr(p.router, min(row0 + i, p.E - 1));
+        float acc[ROUTER_ROWS] = {};
+        if (row0 < p.E) // uniform across the lane group
+            rows_dot<FMT, ROUTER_ROWS, 4>(rows, xs, usum, units, lane, width,
+                                          F::AFFINE ? p.group_size / F::W : 1, acc);
+#pragma unroll
+        for (int i = 0; i < ROUTER_ROWS; ++i) {
+            const float v = group_sum(acc[i], width);
+            if (lane == 0 && row0 + i < p.E) logits[row0 + i] = v;
+        }
+    } else if (threadIdx.x < 32) { // the shared-expert gate row (f32), one warp
         const float* sg = (const float*)p.shared_gate;
         float acc = 0.0f;
-        for (int i = lane; i < p.D; i += 32) acc = fmaf(sg[i], xs[xpad(i)], acc);
+        for (int i = threadIdx.x; i < p.D; i += 32) acc = fmaf(sg[i], xs[xpad(i)], acc);
         acc = warp_sum(acc);
-        if (lane == 0) logits[row] = acc;
+        if (threadIdx.x == 0) logits[p.E] = acc;
     }
     // Last block to finish selects.
     __threadfence();
@@ -66,40 +89,38 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    if (warp != 0) return;
     volatile float* vl = logits;
     __shared__ float sl[MOE_MAX_E];
+    __shared__ int sel_id[MOE_MAX_A];
+    __shared__ float sel_p[MOE_MAX_A];
     float mx = NEG_INF;
-    for (int e = lane; e < p.E; e += 32) { sl[e] = vl[e]; mx = fmaxf(mx, sl[e]); }
-    mx = warp_max(mx);
-    float z = 0.0f;
-    for (int e = lane; e < p.E; e += 32) z += expf(sl[e] - mx);
-    z = warp_sum(z);
-    __syncwarp();
-    // top-A by repeated argmax (ties: lowest id)
-    float sel_p[MOE_MAX_A];
-    int sel_id[MOE_MAX_A];
-    float sel_sum = 0.0f;
-    for (int k = 0; k < p.A; ++k) {
-        float best = NEG_INF;
-        int best_id = 0x7fffffff;
-        for (int e = lane; e < p.E; e += 32) {
-            const float v = sl[e];
-            if (v > best || (v == best && e < best_id)) { best = v; best_id = e; }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
-            if (ov > best || (ov == best && oi < best_id)) { best = ov; best_id = oi; }
-        }
-        const float pk = expf(best - mx) / z; // softmax probability of the selected expert
-        if (k < MOE_MAX_A) { sel_p[k] = pk; sel_id[k] = best_id; }
-        sel_sum += pk;
-        if (lane == 0) sl[best_id] = NEG_INF;
-        __syncwarp();
+    for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
+        const float v = vl[e];
+        sl[e] = v == v ? v : NEG_INF; // a NaN logit is never selected
+        mx = fmaxf(mx, sl[e]);
     }
-    if (lane == 0) {
+    mx = block_max(mx, red); // ends with the logits visible to the whole block
+    float z = 0.0f;
+    for (int e = threadIdx.x; e < p.E; e += blockDim.x) z += expf(sl[e] - mx);
+    z = block_sum(z, red);
+    // Rank = how many logits beat this one (ties: the lower id wins); ranks < A are the top-A in
+    // order, each written by the one thread that owns it.
+    for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
+        const float v = sl[e];
+        int rank = 0;
+        for (int o = 0; o < p.E; ++o) {
+            const float w = sl[o];
+            rank += (w > v) || (w == v && o < e);
+        }
+        if (rank < p.A) {
+            sel_id[rank] = e;
+            sel_p[rank] = expf(v - mx) / z; // softmax probability of the selected expert
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sel_sum = 0.0f;
+        for (int k = 0; k < p.A; ++k) sel_sum += sel_p[k];
         for (int k = 0; k < p.A; ++k) {
             ((int*)p.topk_ids)[k] = sel_id[k];
             ((float*)p.topk_w)[k] = p.norm_topk ? sel_p[k] / sel_sum : sel_p[k];
@@ -122,27 +143,34 @@ struct GateUpParams {
 
 template <int FMT>
 __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
-    extern __shared__ float xs[];
+    typedef Fmt<FMT> F;
+    extern __shared__ float4 smem4[];
+    float* xs = (float*)smem4;
+    float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
     griddep_launch_dependents();
     griddep_wait();
-    load_input((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, red);
+    load_input((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, F::AFFINE ? F::W : 0, red);
     const int slot = blockIdx.y + p.slot_offset;
     const bool routed = slot < p.A;
     const int n = routed ? p.I : p.Is;
     const MatrixRef m = routed ? p.experts : p.shared; // by value: stays in registers
     const i64 row0 = routed ? (i64)((const int*)p.topk_ids)[slot] * 2 * p.I : 0;
-    const int width = lanes_per_row(p.D / Fmt<FMT>::W);
-    const int rows_per_pass = blockDim.x / width;
+    const int units = p.D / F::W, width = lanes_per_row(units);
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
-    for (int base = blockIdx.x * rows_per_pass; base < n; base += gridDim.x * rows_per_pass) {
-        const int j = base + group;
-        const bool valid = j < n;
-        float g = valid ? row_dot_partial<FMT>(m, row0 + j, xs, p.D, lane, width, p.group_size) : 0.0f;
-        float u = valid ? row_dot_partial<FMT>(m, row0 + n + j, xs, p.D, lane, width, p.group_size) : 0.0f;
-        g = group_sum(g, width);
-        u = group_sum(u, width);
-        if (valid && lane == 0) ((float*)p.act)[(i64)slot * p.act_stride + j] = silu_f(g) * u;
+    const int pairs_per_pass = blockDim.x / width * 2;
+    for (int base = blockIdx.x * pairs_per_pass; base < n; base += gridDim.x * pairs_per_pass) {
+        const int j0 = base + group * 2, j1 = j0 + 1;
+        const int c0 = min(j0, n - 1), c1 = min(j1, n - 1);
+        const RowPtr rows[4] = {row_ptr(m, row0 + c0), row_ptr(m, row0 + c1), row_ptr(m, row0 + n + c0),
+                                row_ptr(m, row0 + n + c1)};
+        float acc[4] = {};
+        rows_dot<FMT, 4, 2>(rows, xs, usum, units, lane, width, F::AFFINE ? p.group_size / F::W : 1, acc);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] = group_sum(acc[i], width);
+        float* act = (float*)p.act + (i64)slot * p.act_stride;
+        if (lane == 0 && j0 < n) act[j0] = silu_f(acc[0]) * acc[2];
+        if (lane == 0 && j1 < n) act[j1] = silu_f(acc[1]) * acc[3];
     }
 }
 
@@ -155,48 +183,96 @@ struct DownParams {
     int D, I, Is, A, group_size, act_stride, slot_begin, slot_end;
 };
 
+#define DOWN_ROWS 2 // output rows per warp
+#define DOWN_UNITS 4 // units per row in flight per lane
+
 template <int FMT>
 __device__ __forceinline__ void down_body(const DownParams& p) {
     typedef Fmt<FMT> F;
-    extern __shared__ float acts[]; // [slots, xpad_len(act_stride)] for slots [slot_begin, slot_end)
+    // [slots, xpad_len(act_stride)] activations for slots [slot_begin, slot_end), then their Σ per
+    // unit [slots, act_stride / W]
+    extern __shared__ float4 smem4[];
+    float* acts = (float*)smem4;
+    __shared__ int slot_expert[MOE_MAX_A + 1];
+    __shared__ float slot_weight[MOE_MAX_A + 1];
     griddep_launch_dependents();
     griddep_wait();
     const int nslots = p.slot_end - p.slot_begin, pitch = xpad_len(p.act_stride);
+    const int upr = p.act_stride / F::W; // units per activation row
+    float* usum = acts + nslots * pitch;
     for (int i = threadIdx.x; i < nslots * p.act_stride; i += blockDim.x) {
         const int s = i / p.act_stride, j = i - s * p.act_stride;
         acts[s * pitch + xpad(j)] = ((const float*)p.act)[(i64)p.slot_begin * p.act_stride + i];
     }
+    for (int s = threadIdx.x; s < nslots; s += blockDim.x) {
+        const int slot = p.slot_begin + s;
+        slot_expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
+        slot_weight[s] = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
+    }
+    __syncthreads();
+    if (F::AFFINE)
+        for (int i = threadIdx.x; i < nslots * upr; i += blockDim.x) {
+            const int s = i / upr, u = i - s * upr;
+            const float* v = acts + s * pitch + xpad(u * F::W);
+            float sum = 0.0f;
+            for (int j = 0; j < F::W; ++j) sum += v[j];
+            usum[i] = sum;
+        }
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    const int r = blockIdx.x * nwarps + warp;
-    if (r >= p.D) return;
+    const int r0 = (blockIdx.x * nwarps + warp) * DOWN_ROWS;
+    if (r0 >= p.D) return;
+    int r[DOWN_ROWS];
+#pragma unroll
+    for (int i = 0; i < DOWN_ROWS; ++i) r[i] = min(r0 + i, p.D - 1);
     const int units_r = p.I / F::W, units_s = p.Is / F::W;
     const int routed_end = min(p.slot_end, p.A);
     const int n_routed = max(0, routed_end - p.slot_begin);
     const int total = n_routed * units_r + (p.slot_end > p.A ? units_s : 0);
-    const float sw = p.slot_end > p.A ? *(const float*)p.shared_w : 0.0f;
-    float acc = 0.0f;
+    const int upg_r = F::AFFINE ? p.group_size / F::W : 1;
     const MatrixRef ex = p.experts, sh = p.shared; // by value: no local-memory copies in the loop
-    for (int u = lane; u < total; u += 32) {
-        const bool is_routed = u < n_routed * units_r;
-        const int k = is_routed ? u / units_r : 0;
-        const int slot = is_routed ? p.slot_begin + k : p.A;
-        const int unit = is_routed ? u - k * units_r : u - n_routed * units_r;
-        const i64 row = is_routed ? (i64)((const int*)p.topk_ids)[slot] * p.D + r : (i64)r;
-        const float w = is_routed ? ((const float*)p.topk_w)[slot] : sw;
-        const u64 data = is_routed ? ex.data : sh.data;
-        const i64 row_bytes = is_routed ? ex.row_bytes : sh.row_bytes;
-        const uint4 wq = ld_nc_16((const u8*)data + row * row_bytes + (i64)unit * 16);
-        float scale = 1.0f, bias = 0.0f;
-        if (F::AFFINE) {
-            const float2 g = load_group_params(is_routed ? ex : sh, row, (unit * F::W) / p.group_size);
-            scale = g.x;
-            bias = g.y;
+    float acc[DOWN_ROWS] = {};
+    for (int f0 = lane; f0 < total; f0 += DOWN_UNITS * 32) {
+        uint4 w[DOWN_UNITS][DOWN_ROWS];
+        float2 sb[DOWN_UNITS][DOWN_ROWS];
+#pragma unroll
+        for (int k = 0; k < DOWN_UNITS; ++k) {
+            const int f = f0 + k * 32;
+            if (f < total) {
+                const bool is_routed = f < n_routed * units_r;
+                const int s = is_routed ? f / units_r : n_routed;
+                const int unit = is_routed ? f - s * units_r : f - n_routed * units_r;
+#pragma unroll
+                for (int i = 0; i < DOWN_ROWS; ++i) {
+                    const RowPtr row = is_routed ? row_ptr(ex, (i64)slot_expert[s] * p.D + r[i]) : row_ptr(sh, r[i]);
+                    w[k][i] = ldg16(row.data + (i64)unit * 16);
+                    if (F::AFFINE) sb[k][i] = row_group_params(row, unit / upg_r);
+                }
+            }
         }
-        acc = fmaf(w, F::dot(wq, acts + (slot - p.slot_begin) * pitch + xpad(unit * F::W), scale, bias), acc);
+#pragma unroll
+        for (int k = 0; k < DOWN_UNITS; ++k) {
+            const int f = f0 + k * 32;
+            if (f < total) {
+                const bool is_routed = f < n_routed * units_r;
+                const int s = is_routed ? f / units_r : n_routed;
+                const int unit = is_routed ? f - s * units_r : f - n_routed * units_r;
+                float q[DOWN_ROWS];
+                UnitDot<FMT, DOWN_ROWS>::run(w[k], acts + s * pitch + xpad(unit * F::W), q);
+                const float sw = slot_weight[s];
+#pragma unroll
+                for (int i = 0; i < DOWN_ROWS; ++i) {
+                    const float dot = F::AFFINE ? fmaf(sb[k][i].x, q[i], sb[k][i].y * usum[s * upr + unit]) : q[i];
+                    acc[i] = fmaf(sw, dot, acc[i]);
+                }
+            }
+        }
     }
-    acc = warp_sum(acc);
-    if (lane == 0) ((float*)p.h)[r] += acc;
+#pragma unroll
+    for (int i = 0; i < DOWN_ROWS; ++i) {
+        const float v = warp_sum(acc[i]);
+        if (lane == 0 && r0 + i < p.D) ((float*)p.h)[r0 + i] += v;
+    }
 }
 
 #define MOE_KERNELS(suffix, FMT) \

@@ -174,6 +174,23 @@ impl Gpu {
         Ok(f)
     }
 
+    /// How many blocks of `name` (with `block` threads and `smem` bytes of dynamic shared memory)
+    /// fit on one SM at once (registers, shared memory, threads), at least 1.
+    pub fn resident_blocks(&self, name: &str, block: u32, smem: u32) -> Result<usize> {
+        let f = self.function(name)?;
+        if smem > 48 * 1024 {
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .with_context(|| format!("{name}: {smem} bytes of shared memory"))?;
+        }
+        let n = f
+            .occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)
+            .with_context(|| format!("occupancy of {name} (block {block}, smem {smem})"))?;
+        Ok((n as usize).max(1))
+    }
+
     /// Launch `name` with one parameter struct on the engine's stream.
     pub fn launch<P: Copy>(
         &self,

@@ -32,9 +32,26 @@ pub struct MatvecParams {
     pub total_rows: i32,
 }
 
-/// Floats of an activation vector of `n` in the padded shared-memory layout (common.cuh `xpad_len`).
+/// Floats of an activation vector of `n` in the padded shared-memory layout (common.cuh `xpad_len`:
+/// 4 pad floats after every 32).
 pub fn xpad_len(n: usize) -> usize {
-    n + n / 32 + 1
+    n + n.div_ceil(32) * 4
+}
+
+/// Shared memory of a kernel that holds x̂ [k] (padded) and Σx̂ per 16-byte unit of `format`.
+pub fn input_smem_bytes(k: usize, format: Format) -> u32 {
+    ((xpad_len(k) + k / format.per_unit()) * 4) as u32
+}
+
+/// The dot-product engine's shape (common.cuh `rows_dot`) for rows of `units` 16-byte units read by
+/// `width` lanes: "_r4" (4 rows × 2 units in flight per lane) when a lane has at most 2 units per
+/// row, else "_r2" (2 rows × 4 units). Returns (kernel suffix, rows per lane group).
+pub fn row_shape(units: usize, width: usize) -> (&'static str, usize) {
+    if units <= 2 * width {
+        ("_r4", 4)
+    } else {
+        ("_r2", 2)
+    }
 }
 
 /// Lanes that share one row (common.cuh `lanes_per_row`).
@@ -109,19 +126,20 @@ fn matvec_one(
         total += m.rows;
     }
     p.total_rows = total as i32;
-    let width = lanes_per_row(k / format.per_unit());
-    let rows_per_pass = THREADS as usize / width;
-    let passes = total.div_ceil(rows_per_pass);
-    let grid = passes.min(gpu.sm_count as usize * 8).max(1);
-    let name = format!("matvec_{}", format.suffix());
-    Launch::new(
-        gpu,
-        &name,
-        (grid as u32, 1, 1),
-        THREADS,
-        (xpad_len(k) * 4) as u32,
-        &p,
-    )
+    let units = k / format.per_unit();
+    let width = lanes_per_row(units);
+    let (shape, rows_per_group) = row_shape(units, width);
+    let rows_per_pass = THREADS as usize / width * rows_per_group;
+    let name = format!("matvec_{}{shape}", format.suffix());
+    let smem = input_smem_bytes(k, format);
+    // One wave: every block resident at once, grid-striding over the rows, so each block pays the
+    // x̂ prologue once however many rows it takes.
+    let resident = gpu.resident_blocks(&name, THREADS, smem)?;
+    let grid = total
+        .div_ceil(rows_per_pass)
+        .min(gpu.sm_count as usize * resident)
+        .max(1);
+    Launch::new(gpu, &name, (grid as u32, 1, 1), THREADS, smem, &p)
 }
 
 #[repr(C)]

@@ -9,6 +9,10 @@ use crate::weights::{DevMatrix, MatrixRef};
 pub const THREADS: u32 = 256;
 pub const MAX_EXPERTS: usize = 1024;
 pub const MAX_ACTIVE: usize = 32;
+/// Router rows per lane group (moe.cu ROUTER_ROWS).
+const ROUTER_ROWS: usize = 2;
+/// Output rows per warp in the down kernel (moe.cu DOWN_ROWS).
+const DOWN_ROWS: usize = 2;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -142,15 +146,16 @@ fn gate_up_launch(
         eps: io.eps,
     };
     let width = crate::matvec::lanes_per_row(d / fmt.per_unit());
-    let rows_per_pass = THREADS as usize / width;
+    // a lane group takes two (gate, up) row pairs
+    let pairs_per_pass = THREADS as usize / width * 2;
     let n = i.max(is);
-    let grid_x = n.div_ceil(rows_per_pass).max(1);
+    let grid_x = n.div_ceil(pairs_per_pass).max(1);
     Launch::new(
         gpu,
         &format!("moe_gate_up_{}", fmt.suffix()),
         (grid_x as u32, (slots.1 - slots.0) as u32, 1),
         THREADS,
-        (crate::matvec::xpad_len(d) * 4) as u32,
+        crate::matvec::input_smem_bytes(d, fmt),
         &p,
     )
 }
@@ -182,8 +187,12 @@ fn down_launch(
         slot_begin: slots.0 as i32,
         slot_end: slots.1 as i32,
     };
-    let rows_per_block = THREADS as usize / 32;
-    let smem = (slots.1 - slots.0) * crate::matvec::xpad_len(io.act_stride) * 4;
+    // a warp takes DOWN_ROWS output rows; shared memory holds the slots' activations (padded) and
+    // their sums per 16-byte unit
+    let rows_per_block = THREADS as usize / 32 * DOWN_ROWS;
+    let smem = (slots.1 - slots.0)
+        * (crate::matvec::xpad_len(io.act_stride) + io.act_stride / m.format.per_unit())
+        * 4;
     Launch::new(
         gpu,
         &format!("moe_down_{}", m.format.suffix()),
@@ -226,13 +235,16 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
         group_size: w.router.group_size.max(1) as i32,
         eps: io.eps,
     };
-    let rows_per_block = THREADS as usize / 32;
+    let width = crate::matvec::lanes_per_row(d / w.router.format.per_unit());
+    let rows_per_block = THREADS as usize / width * ROUTER_ROWS;
+    // one more block computes the shared-expert gate row
+    let grid = e.div_ceil(rows_per_block) + w.shared_gate.is_some() as usize;
     let mut launches = vec![Launch::new(
         gpu,
         &format!("moe_router_{}", w.router.format.suffix()),
-        ((e + 1).div_ceil(rows_per_block) as u32, 1, 1),
+        (grid as u32, 1, 1),
         THREADS,
-        (crate::matvec::xpad_len(d) * 4) as u32,
+        crate::matvec::input_smem_bytes(d, w.router.format),
         &p,
     )?];
     let same = w.shared.map(|(gu, dn)| {

@@ -14,8 +14,13 @@ use crate::support::*;
 
 const STEPS: usize = 64;
 
+/// The committed fixtures: `CALLA_FIXTURES` when set (binaries built in another checkout run
+/// against this one's tree), else the tree the test was built from.
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+    match std::env::var_os("CALLA_FIXTURES") {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"),
+    }
 }
 
 fn log_softmax(l: &[f32]) -> Vec<f32> {

@@ -59,9 +59,15 @@ fn matvec_every_format_against_cpu_linear() {
     let mut rng = Rng::new(11);
     let mut all = true;
     // (rows, K): odd rows, a K of one q4 unit per lane group, a 512-wide down projection, a real
-    // in-projection width.
+    // in-projection width, a real out-projection width (4 units per lane in q4: the _r2 kernels).
     for format in ["f32", "bf16", "f16", "q4", "q8"] {
-        for (rows, k) in [(19usize, 128usize), (150, 64), (257, 512), (4352, 2048)] {
+        for (rows, k) in [
+            (19usize, 128usize),
+            (150, 64),
+            (257, 512),
+            (4352, 2048),
+            (301, 4096),
+        ] {
             if format == "q4" && k % 64 != 0 {
                 continue;
             }
@@ -150,6 +156,52 @@ fn matvec_every_format_against_cpu_linear() {
             .matvec(&x, &mut want);
         all &= check(
             &format!("matvec stacked segment {i} ({})", p.format_name()),
+            &format!("[{},{k}]", p.rows),
+            &got,
+            &want,
+            2e-4,
+            2e-4,
+        );
+    }
+    // The real DeltaNet in-projection: four stacked q4 segments (qkv 8192, z 4096, b 32, a 32 rows)
+    // with the norm, so lane groups of 4 rows straddle segment ends.
+    let mut arena = Arena::new(&gpu, 64 << 20);
+    let k = 2048;
+    let parts: Vec<Matrix> = [8192usize, 4096, 32, 32]
+        .iter()
+        .map(|&rows| random_matrix(&mut rng, rows, k, "q4"))
+        .collect();
+    let x = rng.normal_vec(k, 1.0);
+    let w = rng.normal_vec(k, 0.2);
+    let gain: Vec<f32> = w.iter().map(|v| 1.0 + v).collect();
+    let mut up = Uploader {
+        gpu: &gpu,
+        arena: &mut arena,
+        bytes: 0,
+        total: 0,
+        progress: None,
+    };
+    let dms: Vec<_> = parts.iter().map(|p| up.matrix("w", p).unwrap()).collect();
+    let (xd, gd) = (arena.upload(&x).unwrap(), arena.upload(&gain).unwrap());
+    let outs: Vec<_> = parts
+        .iter()
+        .map(|p| arena.alloc_zeroed(p.rows * 4).unwrap())
+        .collect();
+    let segs: Vec<_> = dms.iter().copied().zip(outs.iter().copied()).collect();
+    let launches = matvec::matvec(&gpu, xd, k, Some((gd, 1e-6)), &segs, false).unwrap();
+    assert_eq!(launches.len(), 1, "four q4 segments share one launch");
+    for l in launches {
+        l.run(&gpu).unwrap();
+    }
+    let xn = norm(&x, &w, 1e-6);
+    for (i, p) in parts.iter().enumerate() {
+        let got = download(&gpu, outs[i], p.rows);
+        let mut want = vec![0f32; p.rows];
+        Linear::new("w", p, p.rows, k)
+            .unwrap()
+            .matvec(&xn, &mut want);
+        all &= check(
+            &format!("matvec real in-proj segment {i} (q4, norm)"),
             &format!("[{},{k}]", p.rows),
             &got,
             &want,

@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""Registers, spills and shared memory of every kernel in one .cu file, without a GPU.
+
+Compiles kernels/<name>.cu (prefixed with common.cuh, as the engine does) with the NVRTC wheel that
+scripts/ci-nvrtc-check.sh installs, for sm_90a, with ptxas in verbose mode, and prints its report.
+  usage: scripts/ptxas-report.py matvec [moe …]   (uses .venv-nvrtc)
+"""
+import ctypes, glob, pathlib, re, sys
+
+root = pathlib.Path(__file__).resolve().parent.parent
+lib = glob.glob(str(root / ".venv-nvrtc/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13"))
+if not lib:
+    sys.exit("run scripts/ci-nvrtc-check.sh once first (it installs the NVRTC wheel into .venv-nvrtc)")
+nvrtc = ctypes.CDLL(lib[0])
+kernels = root / "crates/calla-cuda/kernels"
+common = (kernels / "common.cuh").read_text()
+opts = [b"--std=c++17", b"--fmad=true", b"-default-device", b"--extra-device-vectorization", b"--gpu-architecture=sm_90a",
+        b"--ptxas-options=-v"]
+for name in sys.argv[1:]:
+    src = common + "\n" + (kernels / f"{name}.cu").read_text()
+    prog = ctypes.c_void_p()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(), 0, None, None) == 0
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    text = log.value.decode(errors="replace")
+    if rc != 0:
+        print(text)
+        sys.exit(f"{name}.cu: compile failed")
+    fn = None
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            fn = m.group(1)
+        m = re.search(r"Used (\d+) registers", line)
+        if m and fn:
+            spill = re.search(r"(\d+) bytes spill stores", text[text.find(fn):])
+            print(f"{name}.cu  {fn:<32} {m.group(1):>4} registers  {line.strip()}")
+        if "spill" in line and fn and not line.strip().startswith("0 bytes stack frame, 0 bytes spill"):
+            print(f"{name}.cu  {fn:<32} {line.strip()}")
