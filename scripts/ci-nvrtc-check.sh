@@ -11,7 +11,7 @@ if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
 "$venv/bin/pip" install -q --disable-pip-version-check "nvidia-cuda-nvrtc==13.0.*"
-lib=$(dirname "$(find "$venv" -name 'libnvrtc.so.13' -path '*nvidia*' | head -n 1)")
+lib=$(dirname "$(find -L "$venv" -name 'libnvrtc.so.13' -path '*nvidia*' | head -n 1)")
 if [ ! -f "$lib/libnvrtc.so.13" ] || [ ! -f "$lib/libnvrtc-builtins.so.13.0" ]; then
     echo "ci-nvrtc-check: libnvrtc.so.13 / libnvrtc-builtins.so.13.0 not found in $venv" >&2
     exit 1

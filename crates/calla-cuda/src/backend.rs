@@ -305,9 +305,12 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// Time every launch of one decode step separately (events around each kernel, no graph), for
-    /// `rounds` steps of `seq` starting from `token`. Returns (kernel name, launches per step, µs
-    /// per step) summed by name, slowest first. The step's results are real: the sequence advances.
+    /// Time every launch of one decode step on its own: each launch is captured `REPS` times into
+    /// a graph and replayed between two events, so the time is the kernel's (plus ~1 µs of graph
+    /// node), not the host's launch rate. Returns (kernel name, launches per step, µs per step)
+    /// summed by name, slowest first, then a row "= decode step (graph, back to back)": the whole
+    /// step's graph replayed `rounds` times without a host round trip. The sequence's state is
+    /// garbage afterwards (every kernel ran REPS times): profile last.
     pub fn profile_decode(
         &mut self,
         seq: &mut dyn Sequence,
@@ -315,6 +318,7 @@ impl CudaBackend {
         rounds: usize,
     ) -> Result<Vec<(String, usize, f64)>> {
         use cudarc::driver::sys::CUevent_flags;
+        const REPS: usize = 20;
         let seq = cuda_sequence(seq)?;
         let chain: Vec<Launch> = self
             .body
@@ -323,45 +327,48 @@ impl CudaBackend {
             .cloned()
             .chain(std::iter::once(self.select_advance.clone()))
             .collect();
-        let events: Vec<_> = (0..=chain.len())
-            .map(|_| {
-                self.gpu
-                    .ctx
-                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            })
-            .collect::<Result<_, _>>()?;
+        let event = || {
+            self.gpu
+                .ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        };
+        let (start, stop) = (event()?, event()?);
+        self.check_tokens(seq, &[token])?;
+        self.set_cursor(seq, seq.len, token)?;
         let mut totals: std::collections::BTreeMap<String, (usize, f64)> = Default::default();
-        let mut token = token;
-        for _ in 0..rounds {
-            self.check_tokens(seq, &[token])?;
-            self.set_cursor(seq, seq.len, token)?;
-            events[0].record(&self.gpu.stream)?;
-            for (l, e) in chain.iter().zip(&events[1..]) {
-                l.run(&self.gpu)?;
-                e.record(&self.gpu.stream)?;
-            }
+        for l in &chain {
+            let reps = vec![l.clone(); REPS];
+            let graph = StepGraph::capture(&self.gpu, &reps)?;
+            graph.replay(&self.gpu)?;
+            start.record(&self.gpu.stream)?;
+            graph.replay(&self.gpu)?;
+            stop.record(&self.gpu.stream)?;
             self.gpu.sync()?;
-            for (i, l) in chain.iter().enumerate() {
-                let ms = events[i].elapsed_ms(&events[i + 1])? as f64;
-                let t = totals.entry(l.name.clone()).or_default();
-                t.0 += 1;
-                t.1 += ms * 1e3;
-            }
-            if let Some(c) = self.cursor_mirror.as_mut() {
-                c.pos += 1;
-            }
-            let choice = self.selector.finish(&self.gpu)?;
-            token = choice.token;
-            if let Some(c) = self.cursor_mirror.as_mut() {
-                c.token = token as i32;
-            }
-            seq.len += 1;
+            let us = start.elapsed_ms(&stop)? as f64 * 1e3 / REPS as f64;
+            let t = totals.entry(l.name.clone()).or_default();
+            t.0 += 1;
+            t.1 += us;
         }
-        let mut out: Vec<(String, usize, f64)> = totals
-            .into_iter()
-            .map(|(k, (n, us))| (k, n / rounds.max(1), us / rounds.max(1) as f64))
-            .collect();
+        let mut out: Vec<(String, usize, f64)> =
+            totals.into_iter().map(|(k, (n, us))| (k, n, us)).collect();
         out.sort_by(|a, b| b.2.total_cmp(&a.2));
+        let step = StepGraph::capture(&self.gpu, &chain)?;
+        step.replay(&self.gpu)?;
+        start.record(&self.gpu.stream)?;
+        for _ in 0..rounds.max(1) {
+            step.replay(&self.gpu)?;
+        }
+        stop.record(&self.gpu.stream)?;
+        self.gpu.sync()?;
+        let us = start.elapsed_ms(&stop)? as f64 * 1e3 / rounds.max(1) as f64;
+        out.push((
+            "= decode step (graph, back to back)".into(),
+            chain.len(),
+            us,
+        ));
+        // The cursor advanced on the device; the host mirror no longer knows where.
+        self.cursor_mirror = None;
+        seq.len += 1;
         Ok(out)
     }
 }
