@@ -374,6 +374,24 @@ __device__ __forceinline__ float2 row_group_params(const RowPtr& r, int g) {
     return make_float2(bf16_lo(pair), bf16_hi(pair));
 }
 
+// Ask L2 to fetch the 128-byte line holding p (fire and forget: no register waits on it). A kernel
+// prefetches its own weights first thing, so DRAM streams them while the block loads and normalises
+// x̂; the loads that follow then hit L2 or merge with the request in flight.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Prefetch rows [row0, row0 + nrows) of m (codes and group parameters) with the block's threads.
+__device__ __forceinline__ void prefetch_rows(const MatrixRef& m, i64 row0, int nrows) {
+    const i64 code_bytes = (i64)nrows * m.row_bytes;
+    const u8* data = (const u8*)m.data + row0 * m.row_bytes;
+    for (i64 off = (i64)threadIdx.x * 128; off < code_bytes; off += (i64)blockDim.x * 128) prefetch_l2(data + off);
+    if (m.params) {
+        const i64 pitch = (i64)m.groups_per_row * (m.param_f32 ? 8 : 4);
+        const u8* params = (const u8*)m.params + row0 * pitch;
+        for (i64 off = (i64)threadIdx.x * 128; off < (i64)nrows * pitch; off += (i64)blockDim.x * 128)
+            prefetch_l2(params + off);
+    }
+}
+
 // Partial dot products of R rows with x (shared memory, padded layout xpad) over the units lane,
 // lane + width, …; the caller reduces over its `width` lanes. U units per row are loaded before any
 // is used, so R·U 16-byte loads per lane are in flight at once. `usum` [units] holds Σx over each

@@ -40,6 +40,18 @@ struct MatvecParams {
     int total_rows;
 };
 
+#define MATVEC_PREFETCH_PASSES 2
+
+// L2 prefetch of rows [first, first + n) of the stacked segments.
+__device__ __forceinline__ void matvec_prefetch_pass(const MatvecParams& p, int first, int n) {
+    int start = 0;
+    for (int s = 0; s < p.nseg; ++s) {
+        const int lo = max(first, start), hi = min(first + n, start + p.seg[s].rows);
+        if (lo < hi) prefetch_rows(p.seg[s].m, lo - start, hi - lo);
+        start += p.seg[s].rows;
+    }
+}
+
 template <int FMT, int R, int U>
 __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     typedef Fmt<FMT> F;
@@ -47,17 +59,22 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     float* xs = (float*)smem4;
     float* usum = xs + xpad_len(p.K);
     __shared__ float red[32];
+    const int units = p.K / F::W;
+    const int width = lanes_per_row(units);
+    const int rows_per_pass = blockDim.x / width * R;
+    // The block's rows of the first MATVEC_PREFETCH_PASSES passes go to L2 before the prologue; each
+    // pass then asks for the pass that many ahead (the lm_head's 254 MB do not fit in L2 at once).
+    for (int k = 0; k < MATVEC_PREFETCH_PASSES; ++k)
+        matvec_prefetch_pass(p, (blockIdx.x + k * gridDim.x) * rows_per_pass, rows_per_pass);
     griddep_launch_dependents();
     griddep_wait();
     load_input((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, F::AFFINE ? F::W : 0, red);
 
-    const int units = p.K / F::W;
-    const int width = lanes_per_row(units);
-    const int rows_per_pass = blockDim.x / width * R;
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
     const int units_per_group = F::AFFINE ? p.group_size / F::W : 1;
     // Every thread runs the same number of passes so the shuffles in group_sum see full warps.
     for (int base = blockIdx.x * rows_per_pass; base < p.total_rows; base += gridDim.x * rows_per_pass) {
+        matvec_prefetch_pass(p, base + MATVEC_PREFETCH_PASSES * gridDim.x * rows_per_pass, rows_per_pass);
         RowPtr rows[R];
         int seg_of[R], local[R];
 #pragma unroll

@@ -51,16 +51,18 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
     __shared__ int is_last;
+    const int units = p.D / F::W, width = lanes_per_row(units);
+    const int group = threadIdx.x / width, lane = threadIdx.x % width;
+    const int rows_per_block = blockDim.x / width * ROUTER_ROWS;
+    const bool gate_block = p.shared_gate && blockIdx.x == gridDim.x - 1;
+    if (!gate_block)
+        prefetch_rows(p.router, blockIdx.x * rows_per_block, min(rows_per_block, p.E - blockIdx.x * rows_per_block));
     griddep_launch_dependents();
     griddep_wait();
     load_input((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, F::AFFINE ? F::W : 0, red);
     float* logits = (float*)p.logits;
     if (blockIdx.x == 0)
         for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
-    const int units = p.D / F::W, width = lanes_per_row(units);
-    const int group = threadIdx.x / width, lane = threadIdx.x % width;
-    const int rows_per_block = blockDim.x / width * ROUTER_ROWS;
-    const bool gate_block = p.shared_gate && blockIdx.x == gridDim.x - 1;
     if (!gate_block) {
         const int row0 = blockIdx.x * rows_per_block + group * ROUTER_ROWS;
         RowPtr rows[ROUTER_ROWS];
@@ -150,7 +152,6 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
     __shared__ float red[32];
     griddep_launch_dependents();
     griddep_wait();
-    load_input((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, F::AFFINE ? F::W : 0, red);
     const int slot = blockIdx.y + p.slot_offset;
     const bool routed = slot < p.A;
     const int n = routed ? p.I : p.Is;
@@ -159,6 +160,15 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
     const int units = p.D / F::W, width = lanes_per_row(units);
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
     const int pairs_per_pass = blockDim.x / width * 2;
+    // this block's gate and up rows (first pass) to L2 while x̂ loads
+    {
+        const int j = blockIdx.x * pairs_per_pass, cnt = min(pairs_per_pass, n - j);
+        if (cnt > 0) {
+            prefetch_rows(m, row0 + j, cnt);
+            prefetch_rows(m, row0 + n + j, cnt);
+        }
+    }
+    load_input((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, F::AFFINE ? F::W : 0, red);
     for (int base = blockIdx.x * pairs_per_pass; base < n; base += gridDim.x * pairs_per_pass) {
         const int j0 = base + group * 2, j1 = j0 + 1;
         const int c0 = min(j0, n - 1), c1 = min(j1, n - 1);
@@ -200,14 +210,23 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
     const int nslots = p.slot_end - p.slot_begin, pitch = xpad_len(p.act_stride);
     const int upr = p.act_stride / F::W; // units per activation row
     float* usum = acts + nslots * pitch;
-    for (int i = threadIdx.x; i < nslots * p.act_stride; i += blockDim.x) {
-        const int s = i / p.act_stride, j = i - s * p.act_stride;
-        acts[s * pitch + xpad(j)] = ((const float*)p.act)[(i64)p.slot_begin * p.act_stride + i];
-    }
     for (int s = threadIdx.x; s < nslots; s += blockDim.x) {
         const int slot = p.slot_begin + s;
         slot_expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
         slot_weight[s] = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
+    }
+    __syncthreads();
+    {   // this block's rows of every slot's down matrix to L2 while the activations load
+        const int rb = blockIdx.x * (blockDim.x >> 5) * DOWN_ROWS, cnt = min((blockDim.x >> 5) * DOWN_ROWS, p.D - rb);
+        for (int s = 0; s < nslots && cnt > 0; ++s) {
+            const int slot = p.slot_begin + s;
+            if (slot < p.A) prefetch_rows(p.experts, (i64)slot_expert[s] * p.D + rb, cnt);
+            else prefetch_rows(p.shared, rb, cnt);
+        }
+    }
+    for (int i = threadIdx.x; i < nslots * p.act_stride; i += blockDim.x) {
+        const int s = i / p.act_stride, j = i - s * p.act_stride;
+        acts[s * pitch + xpad(j)] = ((const float*)p.act)[(i64)p.slot_begin * p.act_stride + i];
     }
     __syncthreads();
     if (F::AFFINE)
