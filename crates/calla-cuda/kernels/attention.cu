@@ -1,4 +1,4 @@
-// attention.cu: gated full attention for one decode token, in three launches.
+// attention.cu: gated full attention for one decode token, in one launch.
 //
 // Math (CPU reference: calla_cpu::attention::Attention::forward), token at position p:
 //   per q head: [q | gate] = q_proj rows;  q ← rmsnorm₀(q)·(1 + q_norm);  k ← rmsnorm₀(k)·(1 + k_norm)
@@ -7,32 +7,49 @@
 //   o_h ← o_h ⊙ sigmoid(gate_h)
 // KV cache (per sequence, at cursor.state_base + k_off / v_off): [Hkv, max_ctx, Dh], bf16 or f32.
 //
-// attn_prep_*:    grid Hq + Hkv (one head each), block 128. Norm + RoPE; q (pre-scaled by Dh^−½) to
-//                 q_out, k and v appended to the cache at p.
-// attn_decode_*:  split-KV ("flash decoding"): grid (nsplit, Hkv), block 32·G threads (G = Hq/Hkv q
-//                 heads share one K/V tile: warp g is q head kvh·G + g). Positions [0, p] are cut into
-//                 nsplit chunks (multiples of TILE); per tile of 32 positions: lane t scores position
-//                 t, the warp updates its online softmax, then accumulates P·V with lane owning dims
-//                 lane + 32e. Writes unnormalised partials (m, l, acc[Dh]) per (q head, split).
-//                 Dynamic smem: G·Dh·4 (q) + TILE·(Dh+pad)·elt (K) + TILE·Dh·elt (V).
-// attn_combine:   grid Hq, block min(Dh, 256): merges the splits by log-sum-exp (split weights once in
-//                 shared memory), applies the output gate.
-// Bytes per token: K and V of p+1 positions (2·Hkv·Dh·elt each) + partials.
+// attn_decode_*: split-KV ("flash decoding"), grid (nsplit, Hkv), block 32·G threads (G = Hq/Hkv q
+// heads share one K/V tile: warp g is q head kvh·G + g).
+//   Live splits (from the cursor, so one captured graph serves every position): the p+1 positions
+//   are T = ⌈(p+1)/TILE⌉ tiles; S = min(nsplit, ⌈T/min_tiles⌉) ≤ T splits, split s takes tiles
+//   [⌊s·T/S⌋, ⌊(s+1)·T/S⌋) (none empty, sizes within one tile). Blocks with split ≥ S exit at once.
+//   Prologue (was attn_prep): every block normalises and rotates the q of its G heads into shared
+//   memory (warp g, head g; pre-scaled by Dh^−½). The block whose range holds p (the last live
+//   split; no other block reads position p) also normalises and rotates k, writes K[p], V[p] to the
+//   cache, and uses those values (rounded to the cache type) for row p of its last tile instead of
+//   reading the cache back.
+//   Tiles of 32 positions: lane t scores position t, the warp updates its online softmax, then
+//   accumulates P·V with lane owning dims lane + 32e. Each split writes unnormalised partials
+//   (m, l, acc[Dh]) per (q head, split).
+//   Merge (was attn_combine), by log-sum-exp in a fixed order, so the result does not depend on
+//   which block merges: splits form groups of ATTN_GROUP; the last block of a group to finish
+//   (atomic ticket per (kv head, group), reset by that block) merges the group's splits in split
+//   order into the group's first slot; the last group merger of the kv head (ticket per kv head)
+//   merges the groups in group order, divides by Σl, applies the output gate and writes y. With
+//   one group the group merger writes y directly. Each warp merges its own q head.
+// Dynamic smem: G·Dh·4 (q) + 2·Dh·4 (k, v of p) + max(TILE·(Dh+pad)·elt (K) + TILE·Dh·elt (V),
+// G·ATTN_MAX_MERGE·4 (merge weights, after the tiles are done)).
+// Bytes per token: K and V of p positions (2·Hkv·Dh·elt each) + partials (2× S·Hq·Dh·4, L2).
 
 #define ATTN_TILE 32
-#define ATTN_MAX_DPL 8 // Dh ≤ 256
+#define ATTN_MAX_DPL 8     // Dh ≤ 256
+#define ATTN_GROUP 16      // splits per first-level merge
+#define ATTN_MAX_MERGE 64  // inputs of one merge: ≤ ATTN_GROUP splits or ≤ 1024 / ATTN_GROUP groups
 
-struct AttnPrepParams {
+struct AttnDecodeParams {
     u64 qg;       // [Hq, Dh·(gated ? 2 : 1)]: per head [q | gate]
-    u64 k;        // [Hkv·Dh]
+    u64 k;        // [Hkv·Dh] this token's k (before norm and RoPE)
     u64 v;        // [Hkv·Dh]
     u64 q_gain;   // [Dh] = 1 + q_norm
     u64 k_gain;   // [Dh] = 1 + k_norm
     u64 inv_freq; // [R/2]
     u64 cursor;
     i64 k_off, v_off;
-    u64 q_out;    // [Hq, Dh] f32
-    int Hq, Hkv, Dh, rot, max_ctx, gated;
+    u64 part_m;   // [Hq, nsplit]
+    u64 part_l;   // [Hq, nsplit]
+    u64 part_acc; // [Hq, nsplit, Dh]
+    u64 tickets;  // u32 [Hkv, 1 + ⌈nsplit / ATTN_GROUP⌉], zero between launches
+    u64 y;        // [Hq·Dh] f32
+    int Hq, Hkv, Dh, rot, max_ctx, nsplit, min_tiles, gated;
     float eps, scale;
 };
 
@@ -41,63 +58,37 @@ __device__ __forceinline__ void kv_store(u16* base, i64 i, float v) { base[i] = 
 __device__ __forceinline__ float kv_load(const float* base, i64 i) { return base[i]; }
 __device__ __forceinline__ float kv_load(const u16* base, i64 i) { return bf16_to_f32(base[i]); }
 
-template <typename KV>
-__device__ __forceinline__ void attn_prep_body(const AttnPrepParams& p) {
-    extern __shared__ float x[]; // [Dh]
-    __shared__ float red[32];
-    griddep_launch_dependents();
-    griddep_wait();
-    const int b = blockIdx.x, tid = threadIdx.x, Dh = p.Dh;
-    const Cursor cur = *(const Cursor*)p.cursor;
-    const bool is_q = b < p.Hq;
-    const int kvh = b - p.Hq;
-    const float* src = is_q ? (const float*)p.qg + (i64)b * Dh * (p.gated ? 2 : 1) : (const float*)p.k + (i64)kvh * Dh;
-    const float* gain = (const float*)(is_q ? p.q_gain : p.k_gain);
-
+// One head row by one warp: dst = rope(rmsnorm₀(src)·gain)·scale, dst in shared memory [Dh].
+// Same arithmetic per element as the prefill prep (x·inv·gain, f32 angle p·inv_freq[i]).
+__device__ __forceinline__ void norm_rope_row(const float* src, const float* gain, const float* inv_freq,
+                                              float* dst, int Dh, int rot, int pos, float eps, float scale) {
+    const int lane = threadIdx.x & 31, dpl = Dh / 32;
+    float x[ATTN_MAX_DPL];
     float ss = 0.0f;
-    for (int d = tid; d < Dh; d += blockDim.x) { const float v = src[d]; x[d] = v; ss += v * v; }
-    const float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)Dh + p.eps);
-    for (int d = tid; d < Dh; d += blockDim.x) x[d] = x[d] * inv * gain[d];
-    __syncthreads();
-    // RoPE, NeoX half split: pairs (i, i + R/2); angle = p·inv_freq[i] in f32 (as HF).
-    const int half = p.rot / 2;
-    float rot_a = 0.0f, rot_b = 0.0f;
-    if (tid < half) {
-        const float angle = (float)cur.pos * ((const float*)p.inv_freq)[tid];
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_DPL; ++e)
+        if (e < dpl) { x[e] = src[lane + 32 * e]; ss += x[e] * x[e]; }
+    const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)Dh + eps);
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_DPL; ++e)
+        if (e < dpl) dst[lane + 32 * e] = x[e] * inv * gain[lane + 32 * e];
+    __syncwarp();
+    // NeoX half split: pair (i, i + R/2) belongs to one lane, so no pair is read after another
+    // lane wrote it.
+    const int half = rot / 2;
+    for (int i = lane; i < half; i += 32) {
+        const float angle = (float)pos * inv_freq[i];
         const float c = cosf(angle), s = sinf(angle);
-        const float x1 = x[tid], x2 = x[tid + half];
-        rot_a = x1 * c - x2 * s;
-        rot_b = x2 * c + x1 * s;
+        const float x1 = dst[i], x2 = dst[i + half];
+        dst[i] = x1 * c - x2 * s;
+        dst[i + half] = x2 * c + x1 * s;
     }
-    __syncthreads();
-    if (tid < half) { x[tid] = rot_a; x[tid + half] = rot_b; }
-    __syncthreads();
-    if (is_q) {
-        float* q = (float*)p.q_out + (i64)b * Dh;
-        for (int d = tid; d < Dh; d += blockDim.x) q[d] = x[d] * p.scale;
-    } else {
-        const i64 row = ((i64)kvh * p.max_ctx + cur.pos) * Dh;
-        KV* kc = (KV*)(cur.state_base + p.k_off);
-        KV* vc = (KV*)(cur.state_base + p.v_off);
-        const float* v = (const float*)p.v + (i64)kvh * Dh;
-        for (int d = tid; d < Dh; d += blockDim.x) {
-            kv_store(kc, row + d, x[d]);
-            kv_store(vc, row + d, v[d]);
-        }
-    }
+    __syncwarp();
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_DPL; ++e)
+        if (e < dpl) dst[lane + 32 * e] *= scale;
+    __syncwarp();
 }
-
-struct AttnDecodeParams {
-    u64 q;        // [Hq, Dh] f32, pre-scaled
-    u64 cursor;
-    i64 k_off, v_off;
-    u64 part_m;   // [Hq, nsplit]
-    u64 part_l;   // [Hq, nsplit]
-    u64 part_acc; // [Hq, nsplit, Dh]
-    int Hq, Hkv, Dh, max_ctx, nsplit;
-    int pad;
-};
-
 // K tile row pitch in elements: 16-byte aligned rows, 4 words past a multiple of 32 words, so the 8
 // lanes of each quarter-warp phase of a 16-byte read (rows t..t+7, one column) hit disjoint banks.
 template <typename KV> __host__ __device__ __forceinline__ int k_pitch(int Dh);
@@ -135,41 +126,139 @@ __device__ __forceinline__ float score_dot(const float* q, const u16* k, int Dh)
     return dot;
 }
 
+// Live splits at position `pos` (the Rust twin attention::live_splits agrees): the pos + 1
+// positions are T tiles; S = min(nsplit, ⌈T / min_tiles⌉) ≤ T splits, split s takes tiles
+// [⌊s·T/S⌋, ⌊(s+1)·T/S⌋) (≥ 1 each). Returns (S, T).
+__device__ __forceinline__ int2 attn_live_splits(int pos, int nsplit, int min_tiles) {
+    const int tiles = (pos + ATTN_TILE) / ATTN_TILE; // ⌈(pos + 1) / TILE⌉
+    return make_int2(min(nsplit, (tiles + min_tiles - 1) / min_tiles), tiles);
+}
+
+// Block-wide arrival at `ticket`, which `count` blocks reach in this launch: true in the last one
+// (which resets the ticket for the next launch). Writes before the call are visible to that block.
+__device__ __forceinline__ bool arrive_last(unsigned* ticket, unsigned count, int* flag_s) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned t = atomicAdd(ticket, 1u);
+        const int last = t + 1 == count;
+        if (last) atomicExch(ticket, 0u);
+        *flag_s = last;
+    }
+    __syncthreads();
+    const bool last = *flag_s != 0;
+    if (last) __threadfence();
+    return last;
+}
+
+// One warp merges `count` partials of q head `hq` (slots first + i·stride, i in order) by
+// log-sum-exp. final: y = (Σ w_i acc_i / Σ w_i l_i) ⊙ sigmoid(gate); else the unnormalised merge
+// (M, Σ w_i l_i, Σ w_i acc_i) replaces slot `first`. Partials are read through L2 (other blocks
+// wrote them). Every input has l ≥ 1 and a finite m: no live split is empty.
+__device__ __forceinline__ void merge_partials(const AttnDecodeParams& p, int hq, int first, int stride,
+                                               int count, float* w_s, bool final) {
+    const int lane = threadIdx.x & 31, Dh = p.Dh, dpl = Dh / 32;
+    const i64 slot0 = (i64)hq * p.nsplit + first;
+    float* pm = (float*)p.part_m + slot0;
+    float* pl = (float*)p.part_l + slot0;
+    float* acc = (float*)p.part_acc + slot0 * Dh;
+    float M = NEG_INF;
+    for (int i = lane; i < count; i += 32) M = fmaxf(M, __ldcg(pm + (i64)i * stride));
+    M = warp_max(M);
+    float L = 0.0f;
+    for (int i = lane; i < count; i += 32) {
+        const float w = expf(__ldcg(pm + (i64)i * stride) - M);
+        w_s[i] = w;
+        L += __ldcg(pl + (i64)i * stride) * w;
+    }
+    L = warp_sum(L);
+    __syncwarp(); // w_s complete; every lane has read pm / pl (slot `first` may be overwritten below)
+    float o[ATTN_MAX_DPL];
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_DPL; ++e) o[e] = 0.0f;
+#pragma unroll 4
+    for (int i = 0; i < count; ++i) {
+        const float w = w_s[i];
+        const float* a = acc + (i64)i * stride * Dh + lane;
+#pragma unroll
+        for (int e = 0; e < ATTN_MAX_DPL; ++e)
+            if (e < dpl) o[e] = fmaf(__ldcg(a + 32 * e), w, o[e]);
+    }
+    if (final) {
+        const float inv_l = 1.0f / L;
+        const float* gate = (const float*)p.qg + (i64)hq * 2 * Dh + Dh;
+        float* y = (float*)p.y + (i64)hq * Dh;
+#pragma unroll
+        for (int e = 0; e < ATTN_MAX_DPL; ++e)
+            if (e < dpl) {
+                const int d = lane + 32 * e;
+                float r = o[e] * inv_l;
+                if (p.gated) r *= sigmoid_f(gate[d]);
+                y[d] = r;
+            }
+    } else {
+#pragma unroll
+        for (int e = 0; e < ATTN_MAX_DPL; ++e)
+            if (e < dpl) acc[lane + 32 * e] = o[e];
+        if (lane == 0) { *pm = M; *pl = L; }
+    }
+}
+
 template <typename KV>
 __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
     extern __shared__ float smem[];
+    __shared__ int last_s;
     griddep_launch_dependents();
     griddep_wait();
     const int G = p.Hq / p.Hkv, Dh = p.Dh, kvh = blockIdx.y, split = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, g = tid >> 5;
     const int hq = kvh * G + g;
-    float* q_s = smem;                                     // [G, Dh]
-    KV* k_s = (KV*)(smem + G * Dh);                        // [TILE, k_pitch]
-    KV* v_s = k_s + ATTN_TILE * k_pitch<KV>(Dh);            // [TILE, Dh]
     const Cursor cur = *(const Cursor*)p.cursor;
     const int len = cur.pos + 1;
-    int chunk = (len + p.nsplit - 1) / p.nsplit;
-    chunk = (chunk + ATTN_TILE - 1) / ATTN_TILE * ATTN_TILE;
-    const int t0 = split * chunk, t1 = min(len, t0 + chunk);
+    const int2 live = attn_live_splits(cur.pos, p.nsplit, p.min_tiles);
+    const int nsp = live.x, tiles = live.y;
+    if (split >= nsp) return; // beyond the live splits at this position (whole block)
+    const int t0 = (int)((i64)split * tiles / nsp) * ATTN_TILE;
+    const int t1 = min(len, (int)((i64)(split + 1) * tiles / nsp) * ATTN_TILE);
+    const int kp = k_pitch<KV>(Dh);
+    float* q_s = smem;                        // [G, Dh]
+    float* kp_s = q_s + G * Dh;               // [Dh] k of position p (normed, rotated)
+    float* vp_s = kp_s + Dh;                  // [Dh] v of position p
+    KV* k_s = (KV*)(vp_s + Dh);               // [TILE, kp]
+    KV* v_s = k_s + ATTN_TILE * kp;           // [TILE, Dh]
+    KV* kc = (KV*)(cur.state_base + p.k_off) + (i64)kvh * p.max_ctx * Dh;
+    KV* vc = (KV*)(cur.state_base + p.v_off) + (i64)kvh * p.max_ctx * Dh;
 
-    for (int i = tid; i < G * Dh; i += blockDim.x) q_s[i] = ((const float*)p.q)[(i64)kvh * G * Dh + i];
-    const KV* kc = (const KV*)(cur.state_base + p.k_off) + (i64)kvh * p.max_ctx * Dh;
-    const KV* vc = (const KV*)(cur.state_base + p.v_off) + (i64)kvh * p.max_ctx * Dh;
+    norm_rope_row((const float*)p.qg + (i64)hq * Dh * (p.gated ? 2 : 1), (const float*)p.q_gain,
+                  (const float*)p.inv_freq, q_s + g * Dh, Dh, p.rot, cur.pos, p.eps, p.scale);
+    if (t1 == len && g == 0) { // this block's range holds p
+        norm_rope_row((const float*)p.k + (i64)kvh * Dh, (const float*)p.k_gain, (const float*)p.inv_freq,
+                      kp_s, Dh, p.rot, cur.pos, p.eps, 1.0f);
+        const float* v = (const float*)p.v + (i64)kvh * Dh;
+        const i64 row = (i64)cur.pos * Dh;
+        for (int d = lane; d < Dh; d += 32) {
+            const float vd = v[d];
+            vp_s[d] = vd;
+            kv_store(kc, row + d, kp_s[d]);
+            kv_store(vc, row + d, vd);
+        }
+    }
+
     const int dpl = Dh / 32;
     float m = NEG_INF, l = 0.0f, acc[ATTN_MAX_DPL];
 #pragma unroll
     for (int e = 0; e < ATTN_MAX_DPL; ++e) acc[e] = 0.0f;
-    const int kp = k_pitch<KV>(Dh);
 
     for (int base = t0; base < t1; base += ATTN_TILE) {
         const int n = min(ATTN_TILE, t1 - base);
-        __syncthreads(); // previous tile fully consumed (and q_s written, first time)
+        const bool holds_p = base + n == len; // row n − 1 is position p: from kp_s / vp_s
+        __syncthreads(); // previous tile fully consumed (q_s, kp_s, vp_s written, first time)
         // The tile's K and V rows are contiguous in the cache: 16-byte loads, four per thread issued
         // before any store (one memory latency per tile, not one per element); V rows keep their
-        // 16-byte alignment in shared memory, K rows go to the padded pitch as 4-byte words.
+        // 16-byte alignment in shared memory, K rows go to the padded pitch.
         {
             constexpr int EPV = 16 / sizeof(KV);
-            const int vecs = n * Dh / EPV;
+            const int vecs = (holds_p ? n - 1 : n) * Dh / EPV;
             const KV* kt = kc + (i64)base * Dh;
             const KV* vt = vc + (i64)base * Dh;
             for (int i0 = tid; i0 < vecs; i0 += blockDim.x * 4) {
@@ -192,6 +281,11 @@ __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
                     }
                 }
             }
+            if (holds_p)
+                for (int d = tid; d < Dh; d += blockDim.x) {
+                    kv_store(k_s, (n - 1) * kp + d, kp_s[d]);
+                    kv_store(v_s, (n - 1) * Dh + d, vp_s[d]);
+                }
         }
         __syncthreads();
         // scores: lane t ↔ position base + t
@@ -220,58 +314,21 @@ __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
 #pragma unroll
     for (int e = 0; e < ATTN_MAX_DPL; ++e)
         if (e < dpl) out[lane + 32 * e] = acc[e];
+
+    // Merge: first the group's splits, then (more than one group) the groups.
+    const int group = split / ATTN_GROUP, first = group * ATTN_GROUP;
+    const int ngroups = (nsp + ATTN_GROUP - 1) / ATTN_GROUP;
+    unsigned* tickets = (unsigned*)p.tickets + (i64)kvh * (1 + (p.nsplit + ATTN_GROUP - 1) / ATTN_GROUP);
+    if (!arrive_last(tickets + 1 + group, min(ATTN_GROUP, nsp - first), &last_s)) return;
+    float* w_s = (float*)k_s + g * ATTN_MAX_MERGE; // the tiles are done (arrive_last synchronised)
+    merge_partials(p, hq, first, 1, min(ATTN_GROUP, nsp - first), w_s, ngroups == 1);
+    if (ngroups == 1) return;
+    if (!arrive_last(tickets, ngroups, &last_s)) return;
+    merge_partials(p, hq, 0, ATTN_GROUP, ngroups, w_s, true);
 }
 
-struct AttnCombineParams {
-    u64 part_m, part_l, part_acc;
-    u64 qg;  // for the gate: [Hq, 2·Dh]
-    u64 y;   // [Hq·Dh]
-    int Hq, Dh, nsplit, gated;
-};
-
-// Each split's weight exp(m_s − M) is computed once into shared memory (nsplit ≤ ATTN_MAX_SPLITS);
-// thread d then sums the splits' partials with independent loads.
-#define ATTN_MAX_SPLITS 1024
-extern "C" __global__ void __launch_bounds__(256) attn_combine(const AttnCombineParams p) {
-    __shared__ float w_s[ATTN_MAX_SPLITS];
-    __shared__ float red[32];
-    griddep_launch_dependents();
-    griddep_wait();
-    const int h = blockIdx.x;
-    const float* pm = (const float*)p.part_m + (i64)h * p.nsplit;
-    const float* pl = (const float*)p.part_l + (i64)h * p.nsplit;
-    float M = NEG_INF;
-    for (int s = threadIdx.x; s < p.nsplit; s += blockDim.x)
-        if (pl[s] > 0.0f) M = fmaxf(M, pm[s]);
-    M = block_max(M, red);
-    float L = 0.0f;
-    for (int s = threadIdx.x; s < p.nsplit; s += blockDim.x) {
-        const float l = pl[s];
-        const float w = l > 0.0f ? expf(pm[s] - M) : 0.0f;
-        w_s[s] = w;
-        L += l * w;
-    }
-    L = block_sum(L, red); // ends with a barrier: w_s is complete
-    const float* acc = (const float*)p.part_acc + (i64)h * p.nsplit * p.Dh;
-    for (int d = threadIdx.x; d < p.Dh; d += blockDim.x) {
-        float o = 0.0f;
-#pragma unroll 8
-        for (int s = 0; s < p.nsplit; ++s) {
-            const float w = w_s[s];
-            if (w != 0.0f) o += acc[(i64)s * p.Dh + d] * w;
-        }
-        o /= L;
-        if (p.gated) o *= sigmoid_f(((const float*)p.qg)[(i64)h * 2 * p.Dh + p.Dh + d]);
-        ((float*)p.y)[(i64)h * p.Dh + d] = o;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(128) attn_prep_bf16(const AttnPrepParams p) { attn_prep_body<u16>(p); }
-extern "C" __global__ void __launch_bounds__(128) attn_prep_f32(const AttnPrepParams p) { attn_prep_body<float>(p); }
 extern "C" __global__ void __launch_bounds__(512) attn_decode_bf16(const AttnDecodeParams p) { attn_decode_body<u16>(p); }
 extern "C" __global__ void __launch_bounds__(512) attn_decode_f32(const AttnDecodeParams p) { attn_decode_body<float>(p); }
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
-static_assert(sizeof(AttnPrepParams) == 112, "AttnPrepParams layout differs from its Rust twin");
-static_assert(sizeof(AttnDecodeParams) == 80, "AttnDecodeParams layout differs from its Rust twin");
-static_assert(sizeof(AttnCombineParams) == 56, "AttnCombineParams layout differs from its Rust twin");
+static_assert(sizeof(AttnDecodeParams) == 152, "AttnDecodeParams layout differs from its Rust twin");

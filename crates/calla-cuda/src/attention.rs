@@ -1,4 +1,6 @@
-//! Launcher for kernels/attention.cu: q/k norm + RoPE + KV append, split-KV decode, combine + gate.
+//! Launcher for kernels/attention.cu: one launch per attention layer and decode step (q/k norm +
+//! RoPE + KV append, split-KV attention with the split count chosen from the position on the
+//! device, log-sum-exp merge + output gate in the last blocks to finish).
 
 use anyhow::{ensure, Result};
 use calla_model::ModelSpec;
@@ -32,7 +34,7 @@ impl KvDtype {
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
-pub struct AttnPrepParams {
+pub struct AttnDecodeParams {
     pub qg: u64,
     pub k: u64,
     pub v: u64,
@@ -42,47 +44,21 @@ pub struct AttnPrepParams {
     pub cursor: u64,
     pub k_off: i64,
     pub v_off: i64,
-    pub q_out: u64,
+    pub part_m: u64,
+    pub part_l: u64,
+    pub part_acc: u64,
+    pub tickets: u64,
+    pub y: u64,
     pub hq: i32,
     pub hkv: i32,
     pub dh: i32,
     pub rot: i32,
     pub max_ctx: i32,
+    pub nsplit: i32,
+    pub min_tiles: i32,
     pub gated: i32,
     pub eps: f32,
     pub scale: f32,
-}
-
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct AttnDecodeParams {
-    pub q: u64,
-    pub cursor: u64,
-    pub k_off: i64,
-    pub v_off: i64,
-    pub part_m: u64,
-    pub part_l: u64,
-    pub part_acc: u64,
-    pub hq: i32,
-    pub hkv: i32,
-    pub dh: i32,
-    pub max_ctx: i32,
-    pub nsplit: i32,
-    pub pad: i32,
-}
-
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct AttnCombineParams {
-    pub part_m: u64,
-    pub part_l: u64,
-    pub part_acc: u64,
-    pub qg: u64,
-    pub y: u64,
-    pub hq: i32,
-    pub dh: i32,
-    pub nsplit: i32,
-    pub gated: i32,
 }
 
 /// Device buffers of one attention layer's decode step.
@@ -98,14 +74,35 @@ pub struct AttentionIo {
     /// byte offsets of K and V caches [Hkv, max_ctx, Dh] in the sequence state
     pub k_off: usize,
     pub v_off: usize,
-    /// scratch: q [Hq, Dh]; partials m, l [Hq, nsplit]; acc [Hq, nsplit, Dh]
-    pub q: DPtr,
+    /// scratch: partials m, l [Hq, nsplit]; acc [Hq, nsplit, Dh]
     pub part_m: DPtr,
     pub part_l: DPtr,
     pub part_acc: DPtr,
+    /// scratch: merge tickets, u32 [ticket_words(Hkv, nsplit)], zeroed once at allocation (the
+    /// kernel leaves them zero)
+    pub tickets: DPtr,
+    /// grid splits (num_splits(max_ctx)); the kernel uses as many as the position needs
     pub nsplit: usize,
     /// output [Hq·Dh] (gated)
     pub y: DPtr,
+}
+
+/// Splits merged per first-level group (attention.cu ATTN_GROUP).
+pub const MERGE_GROUP: usize = 16;
+/// Most inputs of one merge (attention.cu ATTN_MAX_MERGE).
+const MAX_MERGE: usize = 64;
+/// Most grid splits: the groups of one kv head fit one merge.
+pub const MAX_SPLITS: usize = MERGE_GROUP * MAX_MERGE;
+
+/// Fewest tiles per live split (see live_splits). CALLA_ATTN_MIN_TILES overrides it (for measuring).
+pub const MIN_TILES_PER_SPLIT: usize = 1;
+
+pub fn min_tiles_per_split() -> usize {
+    std::env::var("CALLA_ATTN_MIN_TILES")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n >= 1)
+        .unwrap_or(MIN_TILES_PER_SPLIT)
 }
 
 pub fn check_dims(spec: &ModelSpec) -> Result<()> {
@@ -130,7 +127,8 @@ pub fn check_dims(spec: &ModelSpec) -> Result<()> {
     Ok(())
 }
 
-/// Dynamic shared memory of attn_decode.
+/// Dynamic shared memory of attn_decode: q [G, Dh] f32, k and v of position p [Dh] f32 each, then
+/// the K and V tiles (reused for the merge weights [G, MAX_MERGE] f32 once the tiles are done).
 pub fn decode_smem(spec: &ModelSpec, kv: KvDtype) -> usize {
     let g = spec.num_attention_heads / spec.num_key_value_heads;
     let dh = spec.head_dim;
@@ -138,9 +136,17 @@ pub fn decode_smem(spec: &ModelSpec, kv: KvDtype) -> usize {
         KvDtype::F32 => dh + 4,
         KvDtype::Bf16 => dh + 8,
     };
-    g * dh * 4 + TILE * pitch * kv.size() + TILE * dh * kv.size()
+    let tiles = TILE * pitch * kv.size() + TILE * dh * kv.size();
+    g * dh * 4 + 2 * dh * 4 + tiles.max(g * MAX_MERGE * 4)
 }
 
+/// u32 words of merge tickets for `hkv` KV heads and `nsplit` grid splits: per kv head one for
+/// the groups, one per group.
+pub fn ticket_words(hkv: usize, nsplit: usize) -> usize {
+    hkv * (1 + nsplit.div_ceil(MERGE_GROUP))
+}
+
+/// One launch per attention layer: norm + RoPE + KV append, split-KV attention, merge + gate.
 pub fn decode(
     gpu: &Gpu,
     spec: &ModelSpec,
@@ -150,8 +156,8 @@ pub fn decode(
 ) -> Result<Vec<Launch>> {
     check_dims(spec)?;
     ensure!(
-        (1..=1024).contains(&io.nsplit),
-        "attention: {} KV splits (attn_combine supports 1..=1024)",
+        (1..=MAX_SPLITS).contains(&io.nsplit),
+        "attention: {} KV splits (attn_decode supports 1..={MAX_SPLITS})",
         io.nsplit
     );
     let (hq, hkv, dh) = (
@@ -159,7 +165,7 @@ pub fn decode(
         spec.num_key_value_heads,
         spec.head_dim,
     );
-    let prep = AttnPrepParams {
+    let params = AttnDecodeParams {
         qg: io.qg.0,
         k: io.k.0,
         v: io.v.0,
@@ -169,73 +175,95 @@ pub fn decode(
         cursor: io.cursor.0,
         k_off: io.k_off as i64,
         v_off: io.v_off as i64,
-        q_out: io.q.0,
+        part_m: io.part_m.0,
+        part_l: io.part_l.0,
+        part_acc: io.part_acc.0,
+        tickets: io.tickets.0,
+        y: io.y.0,
         hq: hq as i32,
         hkv: hkv as i32,
         dh: dh as i32,
         rot: spec.rotary_dim as i32,
         max_ctx: max_ctx as i32,
+        nsplit: io.nsplit as i32,
+        min_tiles: min_tiles_per_split() as i32,
         gated: spec.attn_output_gate as i32,
         eps: spec.rms_norm_eps,
         scale: (dh as f32).powf(-0.5),
     };
-    let dec = AttnDecodeParams {
-        q: io.q.0,
-        cursor: io.cursor.0,
-        k_off: io.k_off as i64,
-        v_off: io.v_off as i64,
-        part_m: io.part_m.0,
-        part_l: io.part_l.0,
-        part_acc: io.part_acc.0,
-        hq: hq as i32,
-        hkv: hkv as i32,
-        dh: dh as i32,
-        max_ctx: max_ctx as i32,
-        nsplit: io.nsplit as i32,
-        pad: 0,
-    };
-    let comb = AttnCombineParams {
-        part_m: io.part_m.0,
-        part_l: io.part_l.0,
-        part_acc: io.part_acc.0,
-        qg: io.qg.0,
-        y: io.y.0,
-        hq: hq as i32,
-        dh: dh as i32,
-        nsplit: io.nsplit as i32,
-        gated: spec.attn_output_gate as i32,
-    };
     let g = hq / hkv;
-    Ok(vec![
-        Launch::new(
-            gpu,
-            &format!("attn_prep_{}", kv.suffix()),
-            ((hq + hkv) as u32, 1, 1),
-            128,
-            (dh * 4) as u32,
-            &prep,
-        )?,
-        Launch::new(
-            gpu,
-            &format!("attn_decode_{}", kv.suffix()),
-            (io.nsplit as u32, hkv as u32, 1),
-            (32 * g) as u32,
-            decode_smem(spec, kv) as u32,
-            &dec,
-        )?,
-        Launch::new(
-            gpu,
-            "attn_combine",
-            (hq as u32, 1, 1),
-            dh.min(256) as u32,
-            0,
-            &comb,
-        )?,
-    ])
+    Ok(vec![Launch::new(
+        gpu,
+        &format!("attn_decode_{}", kv.suffix()),
+        (io.nsplit as u32, hkv as u32, 1),
+        (32 * g) as u32,
+        decode_smem(spec, kv) as u32,
+        &params,
+    )?])
 }
 
-/// Splits of the KV range: enough blocks to fill the GPU at long context, never more than the
-/// context has tiles.
+/// Grid splits for a cache of `max_ctx` positions: enough blocks to fill the GPU at long context,
+/// never more than the context has tiles.
 pub fn num_splits(max_ctx: usize) -> usize {
     max_ctx.div_ceil(TILE).clamp(1, 128)
+}
+
+/// Live splits at position `pos` with `nsplit` grid splits (attention.cu attn_live_splits): the
+/// pos + 1 positions are T tiles; min(nsplit, ⌈T / min_tiles⌉) ≤ T splits.
+pub fn live_splits(pos: usize, nsplit: usize, min_tiles: usize) -> usize {
+    let tiles = (pos + 1).div_ceil(TILE);
+    nsplit.min(tiles.div_ceil(min_tiles.max(1)))
+}
+
+/// Positions [t0, t1) of live split `split` of `splits` at position `pos`: tiles
+/// [⌊s·T/S⌋, ⌊(s+1)·T/S⌋), the last one cut at pos + 1.
+pub fn split_range(pos: usize, split: usize, splits: usize) -> (usize, usize) {
+    let tiles = (pos + 1).div_ceil(TILE);
+    let t0 = split * tiles / splits * TILE;
+    let t1 = ((split + 1) * tiles / splits * TILE).min(pos + 1);
+    (t0, t1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every position: the live splits cover [0, pos] exactly, in order, none empty, within one
+    /// tile of each other, and all grid splits are live once there are enough tiles.
+    #[test]
+    fn live_splits_cover_every_position_once() {
+        for nsplit in [1, 3, 16, 17, 128] {
+            for min_tiles in [1, 2, 4] {
+                for pos in 0..(nsplit * TILE * min_tiles * 3) {
+                    let splits = live_splits(pos, nsplit, min_tiles);
+                    assert!((1..=nsplit).contains(&splits), "pos {pos} nsplit {nsplit}");
+                    let mut next = 0;
+                    let (mut shortest, mut longest) = (usize::MAX, 0);
+                    for s in 0..splits {
+                        let (t0, t1) = split_range(pos, s, splits);
+                        assert_eq!(t0, next, "pos {pos} split {s}: gap or overlap");
+                        assert!(t1 > t0, "pos {pos} split {s} of {splits} empty");
+                        assert_eq!(t0 % TILE, 0);
+                        next = t1;
+                        if s + 1 < splits {
+                            shortest = shortest.min(t1 - t0);
+                            longest = longest.max(t1 - t0);
+                        }
+                    }
+                    assert_eq!(next, pos + 1, "pos {pos}: not covered");
+                    assert!(splits < 2 || longest - shortest <= TILE);
+                    if (pos + 1).div_ceil(TILE) >= nsplit * min_tiles {
+                        assert_eq!(splits, nsplit, "pos {pos}: not every split live");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn merge_fits_every_grid() {
+        assert!(MAX_SPLITS.div_ceil(MERGE_GROUP) <= MAX_MERGE);
+        assert!(MERGE_GROUP <= MAX_MERGE);
+        assert!(num_splits(usize::MAX / 2) <= MAX_SPLITS);
+    }
 }

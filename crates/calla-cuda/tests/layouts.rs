@@ -12,19 +12,9 @@ fn parameter_structs_match_the_kernels() {
         ("EmbedParams", size_of::<matvec::EmbedParams>(), 64),
         ("DeltaNetParams", size_of::<deltanet::DeltaNetParams>(), 128),
         (
-            "AttnPrepParams",
-            size_of::<attention::AttnPrepParams>(),
-            112,
-        ),
-        (
             "AttnDecodeParams",
             size_of::<attention::AttnDecodeParams>(),
-            80,
-        ),
-        (
-            "AttnCombineParams",
-            size_of::<attention::AttnCombineParams>(),
-            56,
+            152,
         ),
         ("RouterParams", size_of::<moe::RouterParams>(), 128),
         ("GateUpParams", size_of::<moe::GateUpParams>(), 128),

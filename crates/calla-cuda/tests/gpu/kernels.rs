@@ -414,7 +414,7 @@ fn attention_case(
         want_all.extend(x.iter().zip(&out).map(|(a, b)| a + b));
     }
     let shape = format!(
-        "Hq{} Hkv{} Dh{} R{} ×{steps} ({} splits)",
+        "Hq{} Hkv{} Dh{} R{} ×{steps} (grid {} splits)",
         spec.num_attention_heads,
         spec.num_key_value_heads,
         spec.head_dim,
@@ -449,6 +449,26 @@ fn attention_decode_layer_against_cpu() {
         KvDtype::Bf16,
         2e-2,
     );
+    // 600 positions, grid 32 splits: the live split count grows by one per tile (a change at
+    // every multiple of 32), a second merge group from position 512 (17 tiles).
+    all &= attention_case(
+        "attention layer f32 KV, 600 steps",
+        &tiny,
+        &w,
+        600,
+        1000,
+        KvDtype::F32,
+        1e-4,
+    );
+    all &= attention_case(
+        "attention layer bf16 KV, 600 steps",
+        &tiny,
+        &w,
+        600,
+        1000,
+        KvDtype::Bf16,
+        2e-2,
+    );
     let wq = random_weights(&tiny, Some(Quant::Q4), 52);
     all &= attention_case(
         "attention layer q4, f32 KV",
@@ -478,6 +498,387 @@ fn attention_decode_layer_against_cpu() {
         KvDtype::Bf16,
         2e-2,
     );
+    assert!(all);
+}
+
+/// bf16 rounding of a cache value (identity for an f32 cache).
+fn round_kv(x: f32, kv: KvDtype) -> f32 {
+    match kv {
+        KvDtype::F32 => x,
+        KvDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+    }
+}
+
+fn upload_kv(gpu: &calla_cuda::gpu::Gpu, dst: calla_cuda::gpu::DPtr, x: &[f32], kv: KvDtype) {
+    match kv {
+        KvDtype::F32 => gpu.htod(dst, x).unwrap(),
+        KvDtype::Bf16 => {
+            let bits: Vec<u16> = x
+                .iter()
+                .map(|v| half::bf16::from_f32(*v).to_bits())
+                .collect();
+            gpu.htod(dst, &bits).unwrap()
+        }
+    }
+}
+
+fn download_kv(
+    gpu: &calla_cuda::gpu::Gpu,
+    src: calla_cuda::gpu::DPtr,
+    n: usize,
+    kv: KvDtype,
+) -> Vec<f32> {
+    match kv {
+        KvDtype::F32 => download(gpu, src, n),
+        KvDtype::Bf16 => {
+            let mut bits = vec![0u16; n];
+            gpu.dtoh(src, &mut bits).unwrap();
+            bits.iter()
+                .map(|b| half::bf16::from_bits(*b).to_f32())
+                .collect()
+        }
+    }
+}
+
+/// The token's k and v rows [Hkv·Dh] as the cache should hold them: k normalised and rotated, both
+/// rounded to the cache type.
+fn reference_kv_row(
+    spec: &ModelSpec,
+    aw: &calla_model::AttentionWeights,
+    k: &[f32],
+    v: &[f32],
+    pos: usize,
+    kv: KvDtype,
+) -> (Vec<f32>, Vec<f32>) {
+    let rope = calla_cpu::attention::Rope::new(spec.rotary_dim, spec.rope_theta);
+    let mut k_row = k.to_vec();
+    for head in k_row.chunks_exact_mut(spec.head_dim) {
+        calla_cpu::norm::rms_norm_zero_centred(head, &aw.k_norm, spec.rms_norm_eps);
+        rope.apply(head, pos);
+    }
+    (
+        k_row.iter().map(|x| round_kv(*x, kv)).collect(),
+        v.iter().map(|x| round_kv(*x, kv)).collect(),
+    )
+}
+
+/// The attention output y [Hq·Dh] (before o_proj) of the token at `pos` from the kernel's inputs
+/// (q_proj output `qg`), in f64 over `cache_k` / `cache_v` [Hkv, ctx, Dh] rows 0..pos and the
+/// token's own cache rows `k_row` / `v_row` [Hkv·Dh].
+#[allow(clippy::too_many_arguments)]
+fn reference_y(
+    spec: &ModelSpec,
+    aw: &calla_model::AttentionWeights,
+    qg: &[f32],
+    k_row: &[f32],
+    v_row: &[f32],
+    cache_k: &[f32],
+    cache_v: &[f32],
+    ctx: usize,
+    pos: usize,
+) -> Vec<f32> {
+    let (hq, hkv, dh) = (
+        spec.num_attention_heads,
+        spec.num_key_value_heads,
+        spec.head_dim,
+    );
+    let rope = calla_cpu::attention::Rope::new(spec.rotary_dim, spec.rope_theta);
+    let stride = if spec.attn_output_gate { 2 * dh } else { dh };
+    let scale = (dh as f64).powf(-0.5);
+    let mut y = vec![0f32; hq * dh];
+    for h in 0..hq {
+        let kvh = h / (hq / hkv);
+        let mut q = qg[h * stride..h * stride + dh].to_vec();
+        calla_cpu::norm::rms_norm_zero_centred(&mut q, &aw.q_norm, spec.rms_norm_eps);
+        rope.apply(&mut q, pos);
+        let key = |t: usize| -> &[f32] {
+            if t == pos {
+                &k_row[kvh * dh..(kvh + 1) * dh]
+            } else {
+                &cache_k[(kvh * ctx + t) * dh..(kvh * ctx + t + 1) * dh]
+            }
+        };
+        let value = |t: usize| -> &[f32] {
+            if t == pos {
+                &v_row[kvh * dh..(kvh + 1) * dh]
+            } else {
+                &cache_v[(kvh * ctx + t) * dh..(kvh * ctx + t + 1) * dh]
+            }
+        };
+        let scores: Vec<f64> = (0..=pos)
+            .map(|t| {
+                q.iter()
+                    .zip(key(t))
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+                    * scale
+            })
+            .collect();
+        let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let mut o = vec![0f64; dh];
+        for (t, w) in weights.iter().enumerate() {
+            for (od, vd) in o.iter_mut().zip(value(t)) {
+                *od += w * *vd as f64;
+            }
+        }
+        for d in 0..dh {
+            let mut r = o[d] / total;
+            if spec.attn_output_gate {
+                let gate = qg[h * stride + dh + d] as f64;
+                r /= 1.0 + (-gate).exp();
+            }
+            y[h * dh + d] = r as f32;
+        }
+    }
+    y
+}
+
+/// Single steps at chosen positions over a cache prefilled with random rows (no walk through every
+/// position): per position the kernel's y against an f64 reference from the same inputs, the
+/// appended K/V row, the layer output against the CPU engine over the same cache, and a second
+/// run of the same step giving bit-identical y (the merging block changes run to run).
+/// K rows carry a per-position scale in [0.5, 4], so some positions dominate their split and a
+/// merge weight gone wrong shows at the size of y itself.
+#[allow(clippy::too_many_arguments)]
+fn attention_prefilled_case(
+    name: &str,
+    spec: &ModelSpec,
+    w: &Weights,
+    ctx: usize,
+    kv: KvDtype,
+    positions: &[usize],
+    tol_y: f32,
+    tol_out: f32,
+) -> bool {
+    let (mut be, seq) = rig(spec, w, ctx, kv);
+    let gpu = be.gpu().clone();
+    let layer = spec
+        .layers
+        .iter()
+        .position(|k| *k == LayerKind::Attention)
+        .unwrap();
+    let MixerWeights::Attention(aw) = &w.layers[layer].mixer else {
+        unreachable!()
+    };
+    let cpu = Attention::new(spec, aw, layer).unwrap();
+    let (hq, hkv, dh, d) = (
+        spec.num_attention_heads,
+        spec.num_key_value_heads,
+        spec.head_dim,
+        spec.hidden_size,
+    );
+    let mut rng = Rng::new(61);
+    let mut cache_k = vec![0f32; hkv * ctx * dh]; // [Hkv, ctx, Dh]
+    for row in cache_k.chunks_exact_mut(dh) {
+        let sigma = rng.range(0.5, 4.0);
+        for x in row.iter_mut() {
+            *x = round_kv(rng.normal() * sigma, kv);
+        }
+    }
+    let cache_v: Vec<f32> = rng
+        .normal_vec(hkv * ctx * dh, 1.0)
+        .iter()
+        .map(|x| round_kv(*x, kv))
+        .collect();
+    let base = seq.as_any().downcast_ref::<CudaSequence>().unwrap().base();
+    let (k_off, v_off) = be.layout.layers[layer];
+    let grid = be.scratch.nsplit;
+    let min_tiles = calla_cuda::attention::min_tiles_per_split();
+    let mut all = true;
+    for &pos in positions {
+        assert!(pos < ctx);
+        let x = rng.normal_vec(d, 1.0);
+        let mut ys = Vec::new();
+        let mut got_out = Vec::new();
+        for _ in 0..2 {
+            upload_kv(&gpu, base.offset(k_off), &cache_k, kv);
+            upload_kv(&gpu, base.offset(v_off), &cache_v, kv);
+            got_out = run_mixer(&mut be, spec, seq.as_ref(), layer, pos, &x);
+            ys.push(download(&gpu, be.scratch.at_y, hq * dh));
+        }
+        let splits = calla_cuda::attention::live_splits(pos, grid, min_tiles);
+        let shape = format!("Hq{hq} Hkv{hkv} Dh{dh} p{pos} ({splits}/{grid} splits)");
+        let same = ys[0]
+            .iter()
+            .zip(&ys[1])
+            .filter(|(a, b)| a.to_bits() == b.to_bits())
+            .count();
+        all &= check_count(
+            &format!("{name}: y repeats bit for bit"),
+            &shape,
+            same,
+            hq * dh,
+            "",
+        );
+
+        let qg = download(&gpu, be.scratch.at_qg, spec.q_proj_rows());
+        let k = download(&gpu, be.scratch.at_k, hkv * dh);
+        let v = download(&gpu, be.scratch.at_v, hkv * dh);
+        // the appended row p of every kv head
+        let (mut got_k, mut got_v) = (Vec::new(), Vec::new());
+        for h in 0..hkv {
+            let row = (h * ctx + pos) * dh * kv.size();
+            got_k.extend(download_kv(&gpu, base.offset(k_off + row), dh, kv));
+            got_v.extend(download_kv(&gpu, base.offset(v_off + row), dh, kv));
+        }
+        let (want_k, want_v) = reference_kv_row(spec, aw, &k, &v, pos, kv);
+        // bf16: one rounding step apart where the f32 norms differ in the last bit
+        let row_tol = if kv == KvDtype::Bf16 { 8e-3 } else { 1e-5 };
+        all &= check(
+            &format!("{name}: K[p] appended"),
+            &shape,
+            &got_k,
+            &want_k,
+            row_tol,
+            row_tol,
+        );
+        all &= check(
+            &format!("{name}: V[p] appended"),
+            &shape,
+            &got_v,
+            &want_v,
+            0.0,
+            0.0,
+        );
+        // y over the rows the kernel appended (checked just above)
+        let want_y = reference_y(spec, aw, &qg, &got_k, &got_v, &cache_k, &cache_v, ctx, pos);
+        all &= check(
+            &format!("{name}: y vs f64"),
+            &shape,
+            &ys[0],
+            &want_y,
+            tol_y,
+            tol_y,
+        );
+
+        // the whole layer against the CPU engine over the same cache ([T, Hkv, Dh] there)
+        let mut cache = KvCache::default();
+        for t in 0..pos {
+            for h in 0..hkv {
+                let r = (h * ctx + t) * dh;
+                cache.keys.extend_from_slice(&cache_k[r..r + dh]);
+                cache.values.extend_from_slice(&cache_v[r..r + dh]);
+            }
+        }
+        let xn = norm(&x, &w.layers[layer].input_layernorm, spec.rms_norm_eps);
+        let mut out = vec![0f32; d];
+        cpu.forward(&xn, 1, &mut cache, &mut out);
+        let want: Vec<f32> = x.iter().zip(&out).map(|(a, b)| a + b).collect();
+        all &= check(
+            &format!("{name}: layer vs cpu"),
+            &shape,
+            &got_out,
+            &want,
+            tol_out,
+            tol_out,
+        );
+    }
+    all
+}
+
+/// Positions where the live split count changes (grid `nsplit`, one tile per split at least),
+/// and the ends: 0, 1, each side of a tile boundary, of the first second-level merge (17 tiles),
+/// of every split live (nsplit tiles), of uneven splits, and the last position of the cache.
+fn split_change_positions(nsplit: usize, ctx: usize) -> Vec<usize> {
+    let t = calla_cuda::attention::TILE;
+    let mut p = vec![0, 1, t - 1, t, t + 1, 2 * t];
+    for tiles in [
+        16,
+        17,
+        33,
+        nsplit,
+        nsplit + 1,
+        2 * nsplit + 1,
+        5 * nsplit + 3,
+    ] {
+        p.extend([tiles * t - 1, tiles * t]);
+    }
+    p.push(ctx - 1);
+    p.retain(|&x| x < ctx);
+    p.sort_unstable();
+    p.dedup();
+    p
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn attention_decode_prefilled_long_context() {
+    let mut all = true;
+    let tiny = tiny_spec(Family::Qwen35Moe);
+    let w = random_weights(&tiny, None, 71);
+    // grid 128 splits (8 merge groups) at tiny dims
+    let ctx = 6000;
+    let nsplit = calla_cuda::attention::num_splits(ctx);
+    for kv in [KvDtype::F32, KvDtype::Bf16] {
+        all &= attention_prefilled_case(
+            &format!("attn prefilled tiny {kv:?}"),
+            &tiny,
+            &w,
+            ctx,
+            kv,
+            &split_change_positions(nsplit, ctx),
+            1e-4,
+            if kv == KvDtype::F32 { 1e-4 } else { 2e-2 },
+        );
+    }
+    // Odd shape: G = 3 (96 threads), Dh 96 (3 dims per lane), rotary 40 (pairs across lanes, not a
+    // multiple of 32), no output gate; grid 37 splits (3 merge groups, the last of 5).
+    let mut odd = tiny.clone();
+    odd.num_attention_heads = 6;
+    odd.num_key_value_heads = 2;
+    odd.head_dim = 96;
+    odd.rotary_dim = 40;
+    odd.attn_output_gate = false;
+    let w = random_weights(&odd, None, 72);
+    let ctx = 37 * 32 - 5;
+    for kv in [KvDtype::F32, KvDtype::Bf16] {
+        all &= attention_prefilled_case(
+            &format!("attn prefilled odd {kv:?}"),
+            &odd,
+            &w,
+            ctx,
+            kv,
+            &split_change_positions(calla_cuda::attention::num_splits(ctx), ctx),
+            1e-4,
+            if kv == KvDtype::F32 { 1e-4 } else { 2e-2 },
+        );
+    }
+    // The real shape at 32K (1,024 tiles, 8 per split) and the positions where the split count
+    // changes on the way there.
+    let (real, wr) = real_two_layers();
+    let ctx = 32768;
+    let mut positions = split_change_positions(128, ctx);
+    positions.extend([16383, 20000]);
+    positions.sort_unstable();
+    for kv in [KvDtype::F32, KvDtype::Bf16] {
+        all &= attention_prefilled_case(
+            &format!("attn prefilled real {kv:?}"),
+            real,
+            wr,
+            ctx,
+            kv,
+            &positions,
+            1e-4,
+            if kv == KvDtype::F32 { 2e-4 } else { 2e-2 },
+        );
+    }
+    // Two tiles per split at least (CALLA_ATTN_MIN_TILES, read when the launches are built): the
+    // same tiny checks with the other split policy.
+    std::env::set_var("CALLA_ATTN_MIN_TILES", "2");
+    let w = random_weights(&tiny, None, 73);
+    all &= attention_prefilled_case(
+        "attn prefilled tiny min 2 tiles",
+        &tiny,
+        &w,
+        6000,
+        KvDtype::F32,
+        &split_change_positions(128, 6000),
+        1e-4,
+        1e-4,
+    );
+    std::env::remove_var("CALLA_ATTN_MIN_TILES");
     assert!(all);
 }
 
