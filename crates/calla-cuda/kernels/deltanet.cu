@@ -12,17 +12,26 @@
 // State layout (per sequence, at cursor.state_base):
 //   conv ring  [K, C] f32: slot p mod K holds x[p]; a step reads the K−1 older slots and writes its own
 //   S          [Hv, Dv, Dk] f32 ("K-last": one value column's key vector is contiguous)
-// Launch: grid Hv blocks (one value head each), block 512 threads (16 warps; warp w owns columns
-//   w, w+16, …; lane holds Dk/32 consecutive key entries = KPL), static smem (2·Dk + 2·Dv) floats.
-//   When Dv ≤ 16·DN_PREFETCH_COLS the warp's state columns are read into registers first thing.
-// Bytes per call: S read + written (Hv·Dv·Dk·4·2 = 4 MiB at the real shape), conv ring K·C·4 read,
-//   C·4 written, projections (C + 2·Hv + Hv·Dv)·4.
-// Races: the ring slot written (p mod K) is never read in the same step, so value heads that share
-//   a key head can read its q/k history while the head with h mod (Hv/Hk) == 0 writes the new x.
-
-#define DN_THREADS 512
-#define DN_MAX_DK 256
-#define DN_MAX_DV 256
+//
+// Launch: grid Hv·SPLIT blocks of DN_THREADS = 256 (8 warps). Block b serves value head
+//   h = b / SPLIT and owns value columns [r·Dv/SPLIT, (r+1)·Dv/SPLIT) of it, r = b mod SPLIT (sizes
+//   differ by at most one when SPLIT ∤ Dv; a block may own none when Dv < SPLIT).
+//   - SPLIT = 8 on sm_90+ (`deltanet_decode_kplN_split8`): the head's 8 blocks form one thread-block
+//     cluster (__cluster_dims__), so the gated RMSNorm's Σo² over all Dv columns is summed through
+//     distributed shared memory: each block publishes its partial, and after a cluster barrier every
+//     block adds the 8 partials in rank order (identical total in every block, deterministic).
+//   - SPLIT = 1 elsewhere (`deltanet_decode_kplN`): one block per head, no cluster.
+//   Every block recomputes the head's cheap prologue (conv of the key head's q/k channels, L2 norms,
+//   gates) and convolves only its own v channels. Warp w takes local columns w, w+8, …; the first
+//   DN_PREFETCH_COLS of them are read into registers (16-byte loads) right after the cursor, before
+//   the prologue, so the state read overlaps it (8 warps × 4 = 32 ≥ ⌈256/8⌉: every column when
+//   SPLIT = 8). Lane holds Dk/32 = KPL consecutive key entries of a column.
+// Bytes per call: S read + written (Hv·Dv·Dk·4·2 = 4 MiB at the real shape), conv ring K·C·4 read
+//   (the q/k part once per block that needs it, mostly from L2), C·4 written, projections
+//   (C + 2·Hv + Hv·Dv)·4.
+// Races: the ring slot written (p mod K) is never read in the same step. Every channel's new x is
+//   written by exactly one block: q/k channels by rank 0 of the head with h mod (Hv/Hk) == 0, v
+//   channels by the block owning that column; the other blocks only read the K−1 older slots.
 
 struct DeltaNetParams {
     u64 qkv;     // [C] projection output, pre-conv
@@ -45,9 +54,53 @@ struct DeltaNetParams {
 
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-// Value columns per warp whose state is loaded into registers at kernel start (before the conv,
-// norms and gates), so the 64 KiB per head of state read overlaps that prologue.
-#define DN_PREFETCH_COLS 8
+#define DN_THREADS 256
+#define DN_WARPS (DN_THREADS / 32)
+#define DN_SPLIT 8           // blocks (one cluster) per value head on sm_90+
+#define DN_MAX_DK 256
+#define DN_MAX_DV 256
+#define DN_MAX_K 8           // conv taps (the launcher checks)
+#define DN_PREFETCH_COLS 4   // value columns per warp read into registers first thing
+// Conv channels per thread: 2·Dk + (owned columns ≤ ⌈Dv/SPLIT⌉) over DN_THREADS, at the largest
+// Dk = 32·KPL and Dv = 256 of the kernel (2 at the real shape, 3 at most).
+template <int KPL, int SPLIT>
+struct DnConv {
+    static constexpr int PER_THREAD = (64 * KPL + (DN_MAX_DV + SPLIT - 1) / SPLIT + DN_THREADS - 1) / DN_THREADS;
+};
+// Blocks per SM the register budget must allow. Split kernels with Dk ≤ 128: 3 (≤ 80 registers, no
+// spill), so the 256 blocks of the real shape's cluster launch fit at once even where a GPC's free
+// SMs pack clusters of 8 imperfectly (2 per SM would leave no slack: 264 slots). Dk = 256 and the
+// one-block-per-head kernels: 2 (their state columns need the registers; ≤ 128, no spill).
+#define DN_MIN_BLOCKS_SPLIT(KPL) ((KPL) <= 4 ? 3 : 2)
+#define DN_MIN_BLOCKS_SINGLE 2
+
+// ---------------------------------------------------------------- cluster (sm_90+) helpers
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void dn_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void dn_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// `local` (a __shared__ float of this block) as seen in the cluster block of rank `rank`.
+__device__ __forceinline__ float dn_cluster_load(const float* local, u32 rank) {
+    u32 addr, remote;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(addr) : "l"(local));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+#endif
+
+// Two block-wide sums at once (one pair of barriers); every thread gets both. `scratch` ≥ 2·32.
+__device__ __forceinline__ float2 dn_block_sum2(float a, float b, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    __syncthreads();
+    if (lane == 0) { scratch[warp] = a; scratch[32 + warp] = b; }
+    __syncthreads();
+    float2 t = make_float2(0.0f, 0.0f);
+    for (int w = 0; w < DN_WARPS; ++w) { t.x += scratch[w]; t.y += scratch[32 + w]; }
+    return t;
+}
 
 template <int KPL>
 __device__ __forceinline__ void dn_load_column(const float* col, float* s) {
@@ -57,138 +110,227 @@ __device__ __forceinline__ void dn_load_column(const float* col, float* s) {
             const float4 v4 = *(const float4*)(col + e);
             s[e] = v4.x; s[e + 1] = v4.y; s[e + 2] = v4.z; s[e + 3] = v4.w;
         }
+    } else if (KPL == 2) {
+        const float2 v2 = *(const float2*)col;
+        s[0] = v2.x; s[KPL - 1] = v2.y;
     } else {
 #pragma unroll
         for (int e = 0; e < KPL; ++e) s[e] = col[e];
     }
 }
 
-// One value column j (this lane's KPL key entries `s`, written back to `col`): S ← αS; δ = β(v − Sᵀk);
-// S += kδ; o_j = Sᵀq (lane 0 stores it).
 template <int KPL>
-__device__ __forceinline__ void dn_column(float* col, float* s, const float* kr, const float* qr, float alpha,
-                                          float beta, float v, float* o_out, int lane) {
-    float kv = 0.0f;
-#pragma unroll
-    for (int e = 0; e < KPL; ++e) { s[e] *= alpha; kv = fmaf(s[e], kr[e], kv); } // S ← αS; Sᵀk
-    kv = warp_sum(kv);
-    const float delta = (v - kv) * beta;                                          // δ = β(v − Sᵀk)
-    float o = 0.0f;
-#pragma unroll
-    for (int e = 0; e < KPL; ++e) { s[e] = fmaf(kr[e], delta, s[e]); o = fmaf(s[e], qr[e], o); } // S += kδ; Sᵀq
-    o = warp_sum(o);
+__device__ __forceinline__ void dn_store_column(float* col, const float* s) {
     if (KPL % 4 == 0) {
 #pragma unroll
         for (int e = 0; e < KPL; e += 4) *(float4*)(col + e) = make_float4(s[e], s[e + 1], s[e + 2], s[e + 3]);
+    } else if (KPL == 2) {
+        *(float2*)col = make_float2(s[0], s[KPL - 1]);
     } else {
 #pragma unroll
         for (int e = 0; e < KPL; ++e) col[e] = s[e];
     }
-    if (lane == 0) *o_out = o;
 }
 
-template <int KPL>
+// NC value columns of one warp in lockstep (so their warp reductions overlap); column c is local
+// column js[c] (valid when < n; an invalid one computes on zeros and stores nothing), with this
+// lane's KPL key entries in s[c]. Per column j: S ← αS; δ = β(v_j − Sᵀk); S += kδ; o_j = Sᵀq
+// (lane 0 stores o_j in o_s[j]); S written back to `S + j·Dk`.
+template <int KPL, int NC>
+__device__ __forceinline__ void dn_columns(float* S, int Dk, const int* js, int n, float (*s)[KPL],
+                                           const float* kr, const float* qr, float alpha, float beta,
+                                           const float* v_s, float* o_s, int lane) {
+    float kv[NC], o[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        kv[c] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < KPL; ++e) { s[c][e] *= alpha; kv[c] = fmaf(s[c][e], kr[e], kv[c]); } // S ← αS; Sᵀk
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) kv[c] = warp_sum(kv[c]);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const float v = js[c] < n ? v_s[js[c]] : 0.0f;
+        const float delta = (v - kv[c]) * beta; // δ = β(v − Sᵀk)
+        o[c] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < KPL; ++e) { s[c][e] = fmaf(kr[e], delta, s[c][e]); o[c] = fmaf(s[c][e], qr[e], o[c]); } // S += kδ; Sᵀq
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) o[c] = warp_sum(o[c]);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        if (js[c] < n) {
+            dn_store_column<KPL>(S + (i64)js[c] * Dk, s[c]);
+            if (lane == 0) o_s[js[c]] = o[c];
+        }
+    }
+}
+
+template <int KPL, int SPLIT>
 __device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
     __shared__ float q_s[DN_MAX_DK], k_s[DN_MAX_DK], v_s[DN_MAX_DV], o_s[DN_MAX_DV];
-    __shared__ float red[32];
+    __shared__ float red[64];
+    __shared__ float sumsq_part; // this block's Σ o_j² over its own columns (read by the cluster)
     griddep_launch_dependents();
     griddep_wait(); // cursor, projections and state come from earlier kernels
-    const int h = blockIdx.x, tid = threadIdx.x;
-    const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    const int h = blockIdx.x / SPLIT, rank = blockIdx.x % SPLIT; // = %cluster_ctarank (1-D clusters)
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int ratio = p.Hv / p.Hk, kh = h / ratio;
     const int C = 2 * p.Hk * p.Dk + p.Hv * p.Dv;
+    // This block's value columns [j0, j0 + n) of head h.
+    const int j0 = rank * p.Dv / SPLIT, n = (rank + 1) * p.Dv / SPLIT - j0;
     const Cursor cur = *(const Cursor*)p.cursor;
     const int pos = cur.pos, K = p.K;
+
+    // 0. The block's state columns, loaded now (in flight during steps 1–3).
+    float* S = (float*)(cur.state_base + p.state_off) + ((i64)h * p.Dv + j0) * p.Dk + lane * KPL;
+    float sp[DN_PREFETCH_COLS][KPL];
+    int js[DN_PREFETCH_COLS];
+#pragma unroll
+    for (int c = 0; c < DN_PREFETCH_COLS; ++c) {
+        js[c] = warp + c * DN_WARPS;
+        if (js[c] < n) dn_load_column<KPL>(S + (i64)js[c] * p.Dk, sp[c]);
+        else {
+#pragma unroll
+            for (int e = 0; e < KPL; ++e) sp[c][e] = 0.0f;
+        }
+    }
+    // Scalars and the output's operands: independent of the conv, issued before it.
+    const float a_raw = ((const float*)p.a)[h], dt_bias = ((const float*)p.dt_bias)[h];
+    const float a_log = ((const float*)p.a_log)[h], b_raw = ((const float*)p.b)[h];
+    float z_t = 0.0f, w_t = 0.0f; // thread t < n writes output column j0 + t
+    if (tid < n) { z_t = ((const float*)p.z)[(i64)h * p.Dv + j0 + tid]; w_t = ((const float*)p.norm_w)[j0 + tid]; }
+
+    // 1. conv over the head's q (Dk), k (Dk) and this block's v (n) channels → silu → shared memory.
+    //    All loads of a thread's ≤ 3 channels are issued before any use (fixed trip counts).
     float* ring = (float*)(cur.state_base + p.conv_off);
     const float* qkv = (const float*)p.qkv;
     const float* conv_w = (const float*)p.conv_w;
-    const bool writes_qk = (h % ratio) == 0;
-    // The head's state columns, loaded now (in flight during steps 1–3).
-    float* S = (float*)(cur.state_base + p.state_off) + (i64)h * p.Dv * p.Dk;
-    const bool prefetched = p.Dv <= nwarps * DN_PREFETCH_COLS;
-    float sp[DN_PREFETCH_COLS][KPL];
-    if (prefetched) {
+    const bool writes_qk = (h % ratio) == 0 && rank == 0;
+    const int nch = 2 * p.Dk + n;
+    constexpr int CPT = DnConv<KPL, SPLIT>::PER_THREAD;
+    int slot[DN_MAX_K - 1]; // ring slot of x[p−K+1+t], t < K−1 (the same for every channel)
+    {
+        int sl = ((pos - (K - 1)) % K + K) % K;
 #pragma unroll
-        for (int c = 0; c < DN_PREFETCH_COLS; ++c) {
-            const int j = warp + c * nwarps;
-            if (j < p.Dv) dn_load_column<KPL>(S + (i64)j * p.Dk + lane * KPL, sp[c]);
+        for (int t = 0; t < DN_MAX_K - 1; ++t) { slot[t] = sl; sl = sl + 1 == K ? 0 : sl + 1; }
+    }
+    const int own_slot = pos % K; // x[p]: written here, read by none of this step's blocks
+    float x_new[CPT], tap_new[CPT];
+    float hist[CPT][DN_MAX_K - 1], taps[CPT][DN_MAX_K - 1];
+    int chan[CPT];
+#pragma unroll
+    for (int u = 0; u < CPT; ++u) {
+        const int i = tid + u * DN_THREADS;
+        int c = 0;
+        if (i < p.Dk) c = kh * p.Dk + i;
+        else if (i < 2 * p.Dk) c = p.Hk * p.Dk + kh * p.Dk + (i - p.Dk);
+        else c = 2 * p.Hk * p.Dk + h * p.Dv + j0 + (i - 2 * p.Dk);
+        chan[u] = c;
+        if (i < nch) {
+            x_new[u] = qkv[c];
+            tap_new[u] = conv_w[(i64)c * K + K - 1];
+#pragma unroll
+            for (int t = 0; t < DN_MAX_K - 1; ++t) {
+                if (t < K - 1) {
+                    taps[u][t] = conv_w[(i64)c * K + t];
+                    hist[u][t] = ring[(i64)slot[t] * C + c];
+                }
+            }
         }
     }
-
-    // 1. conv over this head's channels: q (Dk), k (Dk), v (Dv) → silu → shared memory.
-    for (int i = tid; i < 2 * p.Dk + p.Dv; i += blockDim.x) {
-        int c;
-        float* dst;
-        bool write;
-        if (i < p.Dk) { c = kh * p.Dk + i; dst = &q_s[i]; write = writes_qk; }
-        else if (i < 2 * p.Dk) { c = p.Hk * p.Dk + kh * p.Dk + (i - p.Dk); dst = &k_s[i - p.Dk]; write = writes_qk; }
-        else { c = 2 * p.Hk * p.Dk + h * p.Dv + (i - 2 * p.Dk); dst = &v_s[i - 2 * p.Dk]; write = true; }
-        const float x_new = qkv[c];
-        float acc = 0.0f;
-        for (int t = 0; t < K - 1; ++t) {
-            const int slot = ((pos - (K - 1) + t) % K + K) % K; // x[p−K+1+t]
-            acc += conv_w[(i64)c * K + t] * ring[(i64)slot * C + c];
+#pragma unroll
+    for (int u = 0; u < CPT; ++u) {
+        const int i = tid + u * DN_THREADS;
+        if (i < nch) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int t = 0; t < DN_MAX_K - 1; ++t)
+                if (t < K - 1) acc += taps[u][t] * hist[u][t];
+            acc += tap_new[u] * x_new[u]; // tap K−1 multiplies the newest input
+            const float u_silu = silu_f(acc);
+            if (i < p.Dk) q_s[i] = u_silu;
+            else if (i < 2 * p.Dk) k_s[i - p.Dk] = u_silu;
+            else v_s[i - 2 * p.Dk] = u_silu;
+            if (i >= 2 * p.Dk || writes_qk) ring[(i64)own_slot * C + chan[u]] = x_new[u];
         }
-        acc += conv_w[(i64)c * K + K - 1] * x_new; // tap K−1 multiplies the newest input
-        *dst = silu_f(acc);
-        if (write) ring[(i64)(pos % K) * C + c] = x_new;
     }
     __syncthreads();
 
     // 2. L2-normalise q and k (q also scaled by Dk^−½).
     float sq = 0.0f, sk = 0.0f;
-    for (int i = tid; i < p.Dk; i += blockDim.x) { sq += q_s[i] * q_s[i]; sk += k_s[i] * k_s[i]; }
-    const float q_inv = 1.0f / sqrtf(block_sum(sq, red) + 1e-6f);
-    const float k_inv = 1.0f / sqrtf(block_sum(sk, red) + 1e-6f);
-    __syncthreads();
-    for (int i = tid; i < p.Dk; i += blockDim.x) { q_s[i] = q_s[i] * q_inv * p.q_scale; k_s[i] *= k_inv; }
-
+    for (int i = tid; i < p.Dk; i += DN_THREADS) { sq += q_s[i] * q_s[i]; sk += k_s[i] * k_s[i]; }
+    const float2 sums = dn_block_sum2(sq, sk, red);
+    const float q_inv = 1.0f / sqrtf(sums.x + 1e-6f);
+    const float k_inv = 1.0f / sqrtf(sums.y + 1e-6f);
     // 3. gates
-    const float a = ((const float*)p.a)[h] + ((const float*)p.dt_bias)[h];
-    const float g = -expf(((const float*)p.a_log)[h]) * softplus_f(a);
+    const float g = -expf(a_log) * softplus_f(a_raw + dt_bias);
     const float alpha = expf(g);
-    const float beta = sigmoid_f(((const float*)p.b)[h]);
-    __syncthreads();
+    const float beta = sigmoid_f(b_raw);
 
-    // 4. the delta rule, one value column per warp iteration; lane holds k/q/S entries
-    //    [lane·KPL, lane·KPL + KPL).
+    // 4. the delta rule: warp w's prefetched columns in lockstep (then, only when SPLIT = 1 and
+    //    Dv > 32, the rest one at a time); lane holds k/q/S entries [lane·KPL, lane·KPL + KPL),
+    //    normalised here from the raw shared values.
     float kr[KPL], qr[KPL];
 #pragma unroll
-    for (int e = 0; e < KPL; ++e) { kr[e] = k_s[lane * KPL + e]; qr[e] = q_s[lane * KPL + e]; }
-    if (prefetched) {
-#pragma unroll
-        for (int c = 0; c < DN_PREFETCH_COLS; ++c) {
-            const int j = warp + c * nwarps;
-            if (j < p.Dv) dn_column<KPL>(S + (i64)j * p.Dk + lane * KPL, sp[c], kr, qr, alpha, beta, v_s[j], &o_s[j], lane);
-        }
-    } else {
-        for (int j = warp; j < p.Dv; j += nwarps) {
-            float* col = S + (i64)j * p.Dk + lane * KPL;
-            float s[KPL];
-            dn_load_column<KPL>(col, s);
-            dn_column<KPL>(col, s, kr, qr, alpha, beta, v_s[j], &o_s[j], lane);
-        }
+    for (int e = 0; e < KPL; ++e) {
+        kr[e] = k_s[lane * KPL + e] * k_inv;
+        qr[e] = q_s[lane * KPL + e] * q_inv * p.q_scale;
+    }
+    dn_columns<KPL, DN_PREFETCH_COLS>(S, p.Dk, js, n, sp, kr, qr, alpha, beta, v_s, o_s, lane);
+    for (int j = warp + DN_PREFETCH_COLS * DN_WARPS; j < n; j += DN_WARPS) { // SPLIT = 1 with Dv > 32
+        float s1[1][KPL];
+        dn_load_column<KPL>(S + (i64)j * p.Dk, s1[0]);
+        dn_columns<KPL, 1>(S, p.Dk, &j, n, s1, kr, qr, alpha, beta, v_s, o_s, lane);
     }
     __syncthreads();
 
-    // 5. gated RMSNorm: y = w · o/√(mean(o²) + eps) · silu(z)
-    float so = 0.0f;
-    for (int j = tid; j < p.Dv; j += blockDim.x) so += o_s[j] * o_s[j];
-    const float o_inv = 1.0f / sqrtf(block_sum(so, red) / (float)p.Dv + p.eps);
-    const float* z = (const float*)p.z + (i64)h * p.Dv;
-    const float* w = (const float*)p.norm_w;
-    float* y = (float*)p.y + (i64)h * p.Dv;
-    for (int j = tid; j < p.Dv; j += blockDim.x) y[j] = w[j] * (o_s[j] * o_inv) * silu_f(z[j]);
+    // 5. gated RMSNorm: y = w · o/√(mean(o²) + eps) · silu(z), Σo² over all Dv columns of the head.
+    const float o_t = tid < n ? o_s[tid] : 0.0f;
+    float sumsq = block_sum(o_t * o_t, red); // n ≤ DN_THREADS: one column per thread
+#if __CUDA_ARCH__ >= 900
+    if (SPLIT > 1) {
+        if (tid == 0) sumsq_part = sumsq;
+        dn_cluster_arrive(); // release: sumsq_part visible to the cluster
+        dn_cluster_wait();
+        sumsq = 0.0f;
+#pragma unroll
+        for (int r = 0; r < SPLIT; ++r) sumsq += dn_cluster_load(&sumsq_part, r); // fixed order
+        dn_cluster_arrive(); // this block is done reading the others' shared memory
+    }
+#endif
+    const float o_inv = 1.0f / sqrtf(sumsq / (float)p.Dv + p.eps);
+    if (tid < n) ((float*)p.y)[(i64)h * p.Dv + j0 + tid] = w_t * (o_t * o_inv) * silu_f(z_t);
+#if __CUDA_ARCH__ >= 900
+    if (SPLIT > 1) dn_cluster_wait(); // keep sumsq_part alive until every block has read it
+#endif
 }
 
 #define DN_KERNEL(KPL) \
-    extern "C" __global__ void __launch_bounds__(DN_THREADS, 1) deltanet_decode_kpl##KPL(const DeltaNetParams p) { \
-        deltanet_decode_body<KPL>(p); \
+    extern "C" __global__ void __launch_bounds__(DN_THREADS, DN_MIN_BLOCKS_SINGLE) deltanet_decode_kpl##KPL(const DeltaNetParams p) { \
+        deltanet_decode_body<KPL, 1>(p); \
     }
 DN_KERNEL(1)
 DN_KERNEL(2)
 DN_KERNEL(4)
 DN_KERNEL(8)
+
+#if __CUDA_ARCH__ >= 900
+#define DN_KERNEL_SPLIT(KPL) \
+    extern "C" __global__ void __cluster_dims__(DN_SPLIT, 1, 1) __launch_bounds__(DN_THREADS, DN_MIN_BLOCKS_SPLIT(KPL)) \
+        deltanet_decode_kpl##KPL##_split8(const DeltaNetParams p) { \
+        deltanet_decode_body<KPL, DN_SPLIT>(p); \
+    }
+DN_KERNEL_SPLIT(1)
+DN_KERNEL_SPLIT(2)
+DN_KERNEL_SPLIT(4)
+DN_KERNEL_SPLIT(8)
+static_assert(DN_SPLIT == 8, "the kernel names say split8");
+#endif
+static_assert(DN_WARPS * DN_PREFETCH_COLS >= (DN_MAX_DV + DN_SPLIT - 1) / DN_SPLIT,
+              "with SPLIT = 8 every owned column is prefetched");
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(DeltaNetParams) == 128, "DeltaNetParams layout differs from its Rust twin");

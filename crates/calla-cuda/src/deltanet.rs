@@ -1,11 +1,19 @@
 //! Launcher for kernels/deltanet.cu: the fused Gated DeltaNet decode step.
+//!
+//! Each value head is served by [`SPLIT`] blocks (one thread-block cluster, sm_90+) that each own
+//! about Dv/SPLIT value columns of its state, or by one block on older devices (see the kernel
+//! header for why and how the gated norm's Σo² crosses the blocks).
 
 use anyhow::{bail, ensure, Result};
 use calla_model::ModelSpec;
 
 use crate::gpu::{DPtr, Gpu, Launch};
 
-pub const THREADS: u32 = 512;
+pub const THREADS: u32 = 256;
+/// Blocks per value head where thread-block clusters exist (the `_split8` kernels' cluster size).
+pub const SPLIT: u32 = 8;
+/// Conv taps the kernel holds in registers (DN_MAX_K).
+pub const MAX_CONV_TAPS: usize = 8;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -70,14 +78,43 @@ pub fn check_dims(spec: &ModelSpec) -> Result<()> {
         "linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {hk}"
     );
     ensure!(
-        spec.linear_conv_kernel_dim >= 1,
-        "linear_conv_kernel_dim must be ≥ 1"
+        (1..=MAX_CONV_TAPS).contains(&spec.linear_conv_kernel_dim),
+        "linear_conv_kernel_dim {}: the cuda DeltaNet kernel supports 1 to {MAX_CONV_TAPS}",
+        spec.linear_conv_kernel_dim
     );
     Ok(())
 }
 
+/// Whether the device runs thread-block clusters (compute capability 9.0 or newer: `gpu.arch` is
+/// `sm_90a`, `sm_100`, …), so the `_split8` kernels exist in its module.
+pub fn has_clusters(gpu: &Gpu) -> bool {
+    let digits: String = gpu
+        .arch
+        .trim_start_matches("sm_")
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse::<u32>().is_ok_and(|cc| cc >= 90)
+}
+
+/// The decode step with the split the device supports: [`SPLIT`] blocks per head on sm_90+, else 1.
 pub fn decode(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo) -> Result<Launch> {
+    let split = if has_clusters(gpu) { SPLIT } else { 1 };
+    decode_split(gpu, spec, io, split)
+}
+
+/// The decode step with `split` blocks per value head: 1 (any device) or [`SPLIT`] (sm_90+).
+pub fn decode_split(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo, split: u32) -> Result<Launch> {
     check_dims(spec)?;
+    ensure!(
+        split == 1 || split == SPLIT,
+        "DeltaNet decode: {split} blocks per head (the kernels exist for 1 and {SPLIT})"
+    );
+    ensure!(
+        split == 1 || has_clusters(gpu),
+        "DeltaNet decode: {split} blocks per head need thread-block clusters (sm_90+), this device is {}",
+        gpu.arch
+    );
     let dk = spec.linear_key_head_dim;
     let p = DeltaNetParams {
         qkv: io.qkv.0,
@@ -101,11 +138,15 @@ pub fn decode(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo) -> Result<Launch> {
         q_scale: (dk as f32).powf(-0.5),
         pad: 0,
     };
-    let name = format!("deltanet_decode_kpl{}", dk / 32);
+    let name = if split == 1 {
+        format!("deltanet_decode_kpl{}", dk / 32)
+    } else {
+        format!("deltanet_decode_kpl{}_split{split}", dk / 32)
+    };
     Launch::new(
         gpu,
         &name,
-        (spec.linear_num_value_heads as u32, 1, 1),
+        (spec.linear_num_value_heads as u32 * split, 1, 1),
         THREADS,
         0,
         &p,

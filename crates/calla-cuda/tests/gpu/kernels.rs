@@ -4,11 +4,12 @@ use calla_cpu::attention::{Attention, KvCache};
 use calla_cpu::deltanet::{DeltaNet, DeltaNetState, Rule};
 use calla_cpu::linear::Linear;
 use calla_cpu::moe::FeedForward;
+use calla_cuda::deltanet::{self, DeltaNetIo};
 use calla_cuda::forward;
 use calla_cuda::matvec;
 use calla_cuda::pool::Arena;
 use calla_cuda::sequence::CudaSequence;
-use calla_cuda::weights::Uploader;
+use calla_cuda::weights::{DevMixer, Uploader};
 use calla_cuda::{CudaBackend, CudaOptions, KvDtype};
 use calla_engine::Backend;
 use calla_model::load::Quant;
@@ -309,7 +310,66 @@ fn run_ffn(be: &mut CudaBackend, spec: &ModelSpec, layer: usize, x: &[f32]) -> V
     download(&gpu, be.scratch.h, x.len())
 }
 
-fn deltanet_case(name: &str, spec: &ModelSpec, w: &Weights, steps: usize, atol: f32) -> bool {
+/// `run_mixer` for a DeltaNet layer with the decode launch built for `split` blocks per value head
+/// (None: the launcher's own choice, as the engine runs it).
+fn run_deltanet_mixer(
+    be: &mut CudaBackend,
+    spec: &ModelSpec,
+    seq: &dyn calla_engine::Sequence,
+    layer: usize,
+    pos: usize,
+    x: &[f32],
+    split: Option<u32>,
+) -> Vec<f32> {
+    let Some(split) = split else {
+        return run_mixer(be, spec, seq, layer, pos, x);
+    };
+    let gpu = be.gpu().clone();
+    let cs = seq.as_any().downcast_ref::<CudaSequence>().unwrap();
+    gpu.htod(be.scratch.h, x).unwrap();
+    be.set_cursor(cs, pos, 0).unwrap();
+    let mut launches =
+        forward::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap();
+    let DevMixer::DeltaNet(w) = &be.model.layers[layer].mixer else {
+        unreachable!()
+    };
+    let (conv_off, state_off) = be.layout.layers[layer];
+    let s = &be.scratch;
+    let io = DeltaNetIo {
+        qkv: s.dn_qkv,
+        z: s.dn_z,
+        b: s.dn_b,
+        a: s.dn_a,
+        conv_w: w.conv_w,
+        a_log: w.a_log,
+        dt_bias: w.dt_bias,
+        norm_w: w.norm_w,
+        cursor: s.cursor,
+        conv_off,
+        state_off,
+        y: s.dn_y,
+    };
+    let at = launches
+        .iter()
+        .position(|l| l.name.starts_with("deltanet_decode"))
+        .expect("a deltanet_decode launch in the mixer");
+    launches[at] = deltanet::decode_split(&gpu, spec, &io, split).unwrap();
+    for l in launches {
+        l.run(&gpu).unwrap();
+    }
+    download(&gpu, be.scratch.h, x.len())
+}
+
+/// `steps` decode steps of the first DeltaNet layer on a fresh sequence against the CPU reference
+/// (Rule::Recurrent); returns the row's verdict and every step's GPU output (for repeat checks).
+fn deltanet_case(
+    name: &str,
+    spec: &ModelSpec,
+    w: &Weights,
+    steps: usize,
+    atol: f32,
+    split: Option<u32>,
+) -> (bool, Vec<f32>) {
     let (mut be, seq) = rig(spec, w, steps + 4, KvDtype::F32);
     let layer = spec
         .layers
@@ -323,12 +383,11 @@ fn deltanet_case(name: &str, spec: &ModelSpec, w: &Weights, steps: usize, atol: 
     let mut state = DeltaNetState::new(spec);
     let mut rng = Rng::new(21);
     let d = spec.hidden_size;
-    let mut all = true;
     let mut worst_got = Vec::new();
     let mut worst_want = Vec::new();
     for pos in 0..steps {
         let x = rng.normal_vec(d, 1.0);
-        let got = run_mixer(&mut be, spec, seq.as_ref(), layer, pos, &x);
+        let got = run_deltanet_mixer(&mut be, spec, seq.as_ref(), layer, pos, &x, split);
         let xn = norm(&x, &w.layers[layer].input_layernorm, spec.rms_norm_eps);
         let mut out = vec![0f32; d];
         cpu.forward(&xn, 1, &mut state, Rule::Recurrent, &mut out);
@@ -337,15 +396,27 @@ fn deltanet_case(name: &str, spec: &ModelSpec, w: &Weights, steps: usize, atol: 
         worst_want.extend(want);
     }
     let shape = format!(
-        "Hk{} Hv{} Dk{} Dv{} D{} ×{steps}",
+        "Hk{} Hv{} Dk{} Dv{} D{} ×{steps}{}",
         spec.linear_num_key_heads,
         spec.linear_num_value_heads,
         spec.linear_key_head_dim,
         spec.linear_value_head_dim,
-        d
+        d,
+        split.map(|s| format!(" P{s}")).unwrap_or_default()
     );
-    all &= check(name, &shape, &worst_got, &worst_want, atol, atol);
-    all
+    let ok = check(name, &shape, &worst_got, &worst_want, atol, atol);
+    (ok, worst_got)
+}
+
+/// The tiny spec with other DeltaNet head dims (f32 weights need Hv·Dv a multiple of 4).
+fn deltanet_dims(hidden: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> ModelSpec {
+    let mut s = tiny_spec(Family::Qwen35Moe);
+    s.hidden_size = hidden;
+    s.linear_num_key_heads = hk;
+    s.linear_num_value_heads = hv;
+    s.linear_key_head_dim = dk;
+    s.linear_value_head_dim = dv;
+    s
 }
 
 #[test]
@@ -365,19 +436,126 @@ fn deltanet_decode_layer_against_cpu() {
             &w,
             9,
             1e-4,
-        );
+            None,
+        )
+        .0;
     }
     // Another head layout: Dk 64, Dv 48, Hv = 3·Hk, odd D.
-    let mut odd = tiny.clone();
-    odd.hidden_size = 192;
-    odd.linear_num_key_heads = 1;
-    odd.linear_num_value_heads = 3;
-    odd.linear_key_head_dim = 64;
-    odd.linear_value_head_dim = 48;
+    let odd = deltanet_dims(192, 1, 3, 64, 48);
     let w = random_weights(&odd, None, 32);
-    all &= deltanet_case("deltanet layer f32, odd heads", &odd, &w, 6, 1e-4);
+    all &= deltanet_case("deltanet layer f32, odd heads", &odd, &w, 6, 1e-4, None).0;
+    // Heads split unevenly over the 8 blocks of a cluster: Dv 36 → blocks of 4 and 5 columns;
+    // Dv 6 → three blocks per head own no column (they still convolve q/k and join the Σo²).
+    let uneven = deltanet_dims(128, 2, 4, 32, 36);
+    let w = random_weights(&uneven, None, 33);
+    all &= deltanet_case(
+        "deltanet layer f32, Dv 36 (uneven)",
+        &uneven,
+        &w,
+        7,
+        1e-4,
+        None,
+    )
+    .0;
+    let narrow = deltanet_dims(128, 2, 4, 32, 6);
+    let w = random_weights(&narrow, None, 34);
+    all &= deltanet_case(
+        "deltanet layer f32, Dv 6 < blocks",
+        &narrow,
+        &w,
+        7,
+        1e-4,
+        None,
+    )
+    .0;
+    // Dk 256 (8 key entries per lane), Dv 200 (25 columns per block).
+    let wide = deltanet_dims(128, 1, 2, 256, 200);
+    let w = random_weights(&wide, None, 35);
+    all &= deltanet_case(
+        "deltanet layer f32, Dk 256 Dv 200",
+        &wide,
+        &w,
+        5,
+        1e-4,
+        None,
+    )
+    .0;
     let (real, w) = real_two_layers();
-    all &= deltanet_case("deltanet layer q4 (real dims)", real, w, 5, 2e-4);
+    all &= deltanet_case("deltanet layer q4 (real dims)", real, w, 5, 2e-4, None).0;
+    assert!(all);
+}
+
+/// Both kernel variants (one block per head, and 8 blocks per head in a cluster on sm_90+) against
+/// the CPU and against each other, and the engine's variant repeats bit for bit on a fresh
+/// sequence (the cross-block Σo² is summed in a fixed order, never with float atomics).
+#[test]
+#[ignore = "needs CUDA"]
+fn deltanet_decode_splits_agree_and_repeat() {
+    let gpu = gpu();
+    let mut all = true;
+    let tiny = tiny_spec(Family::Qwen35Moe);
+    let w_tiny = random_weights(&tiny, None, 41);
+    let odd = deltanet_dims(192, 1, 3, 64, 48);
+    let w_odd = random_weights(&odd, None, 42);
+    let uneven = deltanet_dims(128, 2, 4, 32, 36);
+    let w_uneven = random_weights(&uneven, None, 43);
+    let (real, w_real) = real_two_layers();
+    let cases: [(&str, &ModelSpec, &Weights, f32); 4] = [
+        ("tiny f32", &tiny, &w_tiny, 1e-4),
+        ("odd heads f32", &odd, &w_odd, 1e-4),
+        ("Dv 36 f32", &uneven, &w_uneven, 1e-4),
+        ("real dims q4", real, w_real, 2e-4),
+    ];
+    let splits: Vec<u32> = if deltanet::has_clusters(&gpu) {
+        vec![1, deltanet::SPLIT]
+    } else {
+        eprintln!(
+            "{}: no thread-block clusters, only the one-block kernel",
+            gpu.arch
+        );
+        vec![1]
+    };
+    for (tag, spec, w, atol) in cases {
+        let steps = 5;
+        let mut outs = Vec::new();
+        for &split in &splits {
+            let name = format!("deltanet {tag}, {split} block(s)/head");
+            let (ok, got) = deltanet_case(&name, spec, w, steps, atol, Some(split));
+            all &= ok;
+            outs.push(got);
+        }
+        if let [single, split] = &outs[..] {
+            // Only the Σo² summation order differs (it never feeds the state).
+            all &= check(
+                &format!("deltanet {tag}: split vs single"),
+                "same inputs",
+                split,
+                single,
+                2e-5,
+                2e-5,
+            );
+        }
+        let mut runs = Vec::new();
+        for run in 1..=2 {
+            let name = format!("deltanet {tag}, engine variant, run {run}");
+            let (ok, got) = deltanet_case(&name, spec, w, steps, atol, None);
+            all &= ok;
+            runs.push(got);
+        }
+        let (first, again) = (&runs[0], &runs[1]);
+        let same = first
+            .iter()
+            .zip(again)
+            .filter(|(a, b)| a.to_bits() == b.to_bits())
+            .count();
+        all &= check_count(
+            &format!("deltanet {tag}: repeat bit-identical"),
+            "fresh sequence",
+            same,
+            first.len(),
+            "bits",
+        );
+    }
     assert!(all);
 }
 
