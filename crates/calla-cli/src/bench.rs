@@ -24,6 +24,14 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::device::PromptPrecision;
 
+/// `--kv-cache` when not given: the engine's default.
+fn default_kv_cache() -> &'static str {
+    match calla_cuda::backend::DEFAULT_KV_CACHE {
+        KvDtype::F32 => "f32",
+        KvDtype::Bf16 => "bf16",
+    }
+}
+
 /// The synthetic preset when neither --synthetic nor --model is given.
 const DEFAULT_PRESET: &str = "qwen3.6-35b-a3b";
 
@@ -60,8 +68,8 @@ pub struct Args {
     /// Untimed decode steps before each round.
     #[arg(long, default_value_t = 8)]
     warmup: usize,
-    /// K/V cache element type: f32 or bf16.
-    #[arg(long, default_value = "f32")]
+    /// K/V cache element type: f32 or bf16 (default: the engine's, calla_cuda DEFAULT_KV_CACHE).
+    #[arg(long, default_value = default_kv_cache())]
     kv_cache: String,
     /// Precision of the batched prompt products: split (≈ f32, the engine's default), fast (bf16),
     /// auto (by weight format: fast for q4/bf16).
@@ -241,7 +249,17 @@ fn print_table(r: &BenchReport) {
             r.weights_made_s
         ),
     }
-    println!("peak memory {:.2} GB", gb(r.peak_gpu_memory_bytes as f64));
+    let m = &r.memory;
+    println!(
+        "peak memory {:.2} GB (weights {:.2}, sequence state {:.2}, prompt scratch {:.2}, decode \
+         scratch {:.3}, other {:.2})",
+        gb(r.peak_gpu_memory_bytes as f64),
+        gb(m.weights as f64),
+        gb(m.sequence_state as f64),
+        gb(m.prompt_scratch as f64),
+        gb(m.decode_scratch as f64),
+        gb(m.other as f64)
+    );
     println!(
         "copy        {:.0} GB/s device-to-device (read + write)",
         r.copy_gb_s

@@ -21,11 +21,18 @@ use crate::forward::{self, Scratch, StateLayout};
 use crate::gemm::Precision;
 use crate::gpu::{Gpu, Launch};
 use crate::graph::StepGraph;
-use crate::pool::Arena;
+use crate::pool::{Arena, DEFAULT_BLOCK};
 use crate::prefill;
 use crate::select::Selector;
 use crate::sequence::{CudaSequence, FailedSnapshot};
 use crate::weights::{self, DevModel};
+
+/// The K/V cache element type when the caller does not choose (CudaOptions::default, `calla bench`).
+/// bf16: half the bytes of f32 (0.67 GB instead of 1.35 at 32K positions of the real shape), what
+/// issue 5's 22 GB at 32K needs; the decode and prompt kernels read it natively. Switching this
+/// default needs the GPU parity run (scripts/gpu-parity.sh: engine_matches_transformers_at_real_shapes
+/// runs with the default options).
+pub const DEFAULT_KV_CACHE: KvDtype = KvDtype::Bf16;
 
 #[derive(Debug, Clone)]
 pub struct CudaOptions {
@@ -33,8 +40,8 @@ pub struct CudaOptions {
     pub device: usize,
     /// Positions per sequence (KV capacity); None = min(max_position_embeddings, 32768).
     pub max_context: Option<usize>,
-    /// K/V cache element type. f32 by default: the engine then matches the f32 CPU reference to
-    /// rounding; bf16 halves the cache's bytes (long contexts, the performance work).
+    /// K/V cache element type ([`DEFAULT_KV_CACHE`] by default). f32 matches the f32 CPU reference
+    /// to rounding; bf16 halves the cache's bytes (long contexts, issue 5's memory target).
     pub kv_cache: KvDtype,
     /// Replay captured graphs (true) or launch kernel by kernel (debugging).
     pub use_graphs: bool,
@@ -42,8 +49,10 @@ pub struct CudaOptions {
     pub progress: bool,
     /// Prompt tokens per batched prefill chunk (prefill_layer.rs); 0 runs prompts token by token
     /// through the decode chain. 8192 by default: at 2048 each of 256 experts gets ~64 rows, half
-    /// a GEMM tile (docs/performance.md, "Prefill optimisations"); the scratch, made on the first
-    /// prompt for min(chunk, max_context) tokens, is ~2.8 GB at the real shape (0.7 GB at 2048).
+    /// a GEMM tile (docs/performance.md, "Prefill optimisations"). The scratch is made for the
+    /// prompts seen (prefill.rs `scratch_rows`), at most min(chunk, max_context) tokens, with
+    /// buffers of different phases sharing bytes (prefill_layer.rs): 0.74 GB at 8192 tokens of the
+    /// real shape (+ 67 MB of residual rows), 2.9 GB before plans.
     pub prompt_chunk: usize,
     /// Precision of the batched prompt's weight products (and of flash attention over an f32
     /// cache): Split (≈ f32, the default: prompts agree with the f32 decode path and the CPU
@@ -60,7 +69,7 @@ impl Default for CudaOptions {
         CudaOptions {
             device: 0,
             max_context: None,
-            kv_cache: KvDtype::F32,
+            kv_cache: DEFAULT_KV_CACHE,
             use_graphs: true,
             progress: false,
             prompt_chunk: 8192,
@@ -82,6 +91,20 @@ struct Graphs {
     token: StepGraph,
     decode: StepGraph,
     logits: StepGraph,
+}
+
+/// Device bytes reserved by an engine (what `used` memory they account for; the CUDA context,
+/// kernel modules and graphs come on top).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct MemoryUse {
+    /// the weights' arena (codes, group parameters, norms)
+    pub weights: usize,
+    /// decode step activations and the token selector
+    pub decode_scratch: usize,
+    /// the batched prompt path (0 until the first prompt)
+    pub prompt_scratch: usize,
+    /// one sequence's state: DeltaNet conv rings and states, K/V caches at max_context
+    pub sequence_state: usize,
 }
 
 /// Start-up facts for logs and reports.
@@ -124,7 +147,7 @@ impl CudaBackend {
         let gpu = Gpu::new(opts.device)?;
         deltanet::check_dims(spec)?;
         attention::check_dims(spec)?;
-        let mut arena = Arena::new(&gpu, 1 << 30);
+        let mut arena = Arena::new(&gpu, DEFAULT_BLOCK);
         let bar = opts.progress.then(ProgressLine::new);
         let progress = |done: usize, total: usize| {
             if let Some(b) = &bar {
@@ -158,7 +181,7 @@ impl CudaBackend {
             .unwrap_or(spec.max_position_embeddings.min(32768))
             .max(1);
         let layout = StateLayout::new(spec, max_ctx, opts.kv_cache);
-        let mut scratch_arena = Arena::new(&gpu, 64 << 20);
+        let mut scratch_arena = Arena::new(&gpu, DEFAULT_BLOCK);
         let scratch = Scratch::new(&mut scratch_arena, spec, max_ctx)?;
         let selector = Selector::new(&mut scratch_arena, spec.vocab_size, max_ctx + 1)?;
         let body = forward::body_launches(&gpu, spec, &model, &layout, &scratch)?;
@@ -229,6 +252,16 @@ impl CudaBackend {
 
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+
+    /// Device bytes this engine holds, by use (sequences are counted by their owners).
+    pub fn memory(&self) -> MemoryUse {
+        MemoryUse {
+            weights: self._weights_arena.reserved(),
+            decode_scratch: self._scratch_arena.reserved(),
+            prompt_scratch: self.prompt.as_ref().map(|p| p.reserved()).unwrap_or(0),
+            sequence_state: self.layout.bytes,
+        }
     }
 
     pub fn layout(&self) -> &StateLayout {

@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use crate::backend::{CudaBackend, CudaOptions};
 use crate::gpu::Gpu;
-use crate::pool::Arena;
+use crate::pool::{Arena, DEFAULT_BLOCK};
 use crate::sequence::CudaSequence;
 use crate::synthetic;
 use crate::weights::{self, DevFfn, DevMatrix, DevMixer, DevModel, Format};
@@ -139,11 +139,26 @@ pub struct BenchReport {
     pub copy_gb_s: f64,
     pub launches_per_token: usize,
     pub decode_graph: bool,
+    /// the driver's used memory (total − free), largest sample: after each prefill round and each
+    /// decode round, while one sequence is alive
     pub peak_gpu_memory_bytes: usize,
+    /// what the engine holds at the end, by use; `other` = peak − the rest (CUDA context, kernel
+    /// modules, graphs, driver reservations)
+    pub memory: MemoryBreakdown,
     pub prefill: PrefillResult,
     pub decode: Vec<DecodeResult>,
     /// per kernel: (name, launches per step, µs per step), launched one by one with events between
     pub profile: Vec<(String, usize, f64)>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryBreakdown {
+    pub weights: usize,
+    pub decode_scratch: usize,
+    pub prompt_scratch: usize,
+    /// one sequence (K/V caches for the capacity, DeltaNet states)
+    pub sequence_state: usize,
+    pub other: i64,
 }
 
 /// Bytes one decode step must read (and write, for the DeltaNet states) at `context`.
@@ -359,7 +374,7 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
     progress.begin("measuring device copy bandwidth", 0, false);
     let copy_gb_s = copy_bandwidth(&gpu)?;
     progress.end();
-    let mut arena = Arena::new(&gpu, 1 << 30);
+    let mut arena = Arena::new(&gpu, DEFAULT_BLOCK);
     let (source, dev_model) = match &model {
         BenchModel::Synthetic { format, .. } => {
             progress.begin("making random weights on the GPU", 0, false);
@@ -407,6 +422,7 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
     // Prefill (TTFT): one warm-up, then rounds on fresh sequences.
     let mut ttft = Vec::new();
     let mut first_tokens = Vec::new();
+    let mut peak = 0;
     progress.begin(
         &format!("prefill {} tokens (warm-up + rounds)", opts.prompt_len),
         (opts.rounds + 1) as u64,
@@ -416,6 +432,7 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         let mut seq = be.new_sequence()?;
         let t = Instant::now();
         let first = be.step(seq.as_mut(), &prompt, &sel(0))?.token;
+        peak = peak.max(used_memory(&gpu)); // the sequence and the prompt scratch both alive
         if round > 0 {
             ttft.push(t.elapsed().as_secs_f64());
             first_tokens.push(first);
@@ -424,7 +441,6 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
     }
     progress.end();
     let ttft_s = median(ttft);
-    let mut peak = used_memory(&gpu);
 
     let mut decode = Vec::new();
     let contexts = if opts.contexts.is_empty() {
@@ -499,6 +515,16 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
     let first_token_repeats = all_equal(&first_tokens);
     let digests_repeat = first_token_repeats && decode.iter().all(|d| d.digest_repeats);
     let smallest = contexts.iter().copied().min().unwrap_or(opts.prompt_len);
+    let held = be.memory();
+    let memory = MemoryBreakdown {
+        weights: held.weights,
+        decode_scratch: held.decode_scratch,
+        prompt_scratch: held.prompt_scratch,
+        sequence_state: held.sequence_state,
+        other: peak as i64
+            - (held.weights + held.decode_scratch + held.prompt_scratch + held.sequence_state)
+                as i64,
+    };
     Ok(BenchReport {
         device: be.describe(),
         model: model.name().to_string(),
@@ -519,6 +545,7 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         launches_per_token: be.report.launches_per_token,
         decode_graph: true,
         peak_gpu_memory_bytes: peak,
+        memory,
         prefill: PrefillResult {
             tokens: opts.prompt_len,
             precision: match opts.prompt_precision {

@@ -11,6 +11,7 @@ use calla_model::{FeedForwardSpec, ModelSpec};
 
 use crate::gemm::{self, Gemm, GemmOut, Grouped, Planes, Precision};
 use crate::gpu::{DPtr, Gpu, Launch};
+use crate::pool::{Region, ScratchPlan, ALWAYS};
 use crate::weights::{DevMlp, DevMoe};
 
 pub const MAX_EXPERTS: usize = 1024;
@@ -68,6 +69,73 @@ pub struct MoePrefillScratch {
     pub y_slot: DPtr,
     /// planes `[T, Is]`
     pub shared_act: Planes,
+}
+
+/// The MoE block's buffers for T tokens as scratch-plan regions, with the launch steps of
+/// [`prefill_moe`] from `s0` (0 router, 1 top-A, 2 scan, 3 scatter, 4 gate/up, 5 down, 6 shared
+/// gate/up, 7 shared down, 8 combine) as lifetimes, so buffers that are dead share bytes: the down
+/// output `y_slot` (T·A·D f32, the largest) reuses the router logits', ids' and sorted tokens'
+/// bytes, the shared expert's activations reuse the routed ones'. `counts` must be zero on entry
+/// (the scan re-zeroes it): it is never shared, and the caller zeroes the allocation once.
+pub fn scratch_regions(spec: &ModelSpec, t: usize, s0: usize) -> Vec<Region> {
+    let Some((e, a, i, is, _)) = moe_dims(spec) else {
+        return Vec::new();
+    };
+    let d = spec.hidden_size;
+    let slots = t * a;
+    let at = |first: usize, last: usize| (s0 + first, s0 + last);
+    let plane = |rows: usize, cols: usize| rows * cols.max(1) * 2;
+    vec![
+        Region::new("moe.logits", t * e * 4, at(0, 1)),
+        Region::new("moe.ids", slots * 4, at(1, 3)),
+        Region::new("moe.weights", slots * 4, at(1, 8)),
+        Region::new("moe.shared_w", t * 4, at(1, 7)),
+        Region::new("moe.counts", e * 4, ALWAYS),
+        Region::new("moe.offsets", (e + 1) * 4, at(2, 2)),
+        Region::new("moe.cursor", e * 4, at(2, 3)),
+        Region::new("moe.tile_map", 16 * max_tiles(t, e, a), at(2, 5)),
+        Region::new("moe.tile_count", 4, at(2, 5)),
+        Region::new("moe.sorted_token", slots * 4, at(3, 4)),
+        Region::new("moe.slot_of", slots * 4, at(3, 8)),
+        Region::new("moe.act.hi", plane(slots, i), at(4, 5)),
+        Region::new("moe.act.lo", plane(slots, i), at(4, 5)),
+        Region::new("moe.y_slot", slots * d * 4, at(5, 8)),
+        Region::new("moe.shared_act.hi", plane(t, is), at(6, 7)),
+        Region::new("moe.shared_act.lo", plane(t, is), at(6, 7)),
+    ]
+}
+
+impl MoePrefillScratch {
+    /// The buffers of [`scratch_regions`] inside a planned allocation at `base`.
+    pub fn from_plan(
+        spec: &ModelSpec,
+        base: DPtr,
+        plan: &ScratchPlan,
+    ) -> Result<MoePrefillScratch> {
+        let (_, _, i, is, _) = moe_dims(spec)
+            .ok_or_else(|| anyhow::anyhow!("MoE scratch for a dense feed-forward"))?;
+        let at = |name: &str| plan.offset(name).map(|o| base.offset(o));
+        Ok(MoePrefillScratch {
+            logits: at("moe.logits")?,
+            ids: at("moe.ids")?,
+            weights: at("moe.weights")?,
+            shared_w: at("moe.shared_w")?,
+            counts: at("moe.counts")?,
+            offsets: at("moe.offsets")?,
+            cursor: at("moe.cursor")?,
+            tile_map: at("moe.tile_map")?,
+            tile_count: at("moe.tile_count")?,
+            sorted_token: at("moe.sorted_token")?,
+            slot_of: at("moe.slot_of")?,
+            act: Planes::new(at("moe.act.hi")?, at("moe.act.lo")?, i),
+            y_slot: at("moe.y_slot")?,
+            shared_act: Planes::new(
+                at("moe.shared_act.hi")?,
+                at("moe.shared_act.lo")?,
+                is.max(1),
+            ),
+        })
+    }
 }
 
 #[repr(C)]
