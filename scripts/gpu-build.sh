@@ -9,7 +9,7 @@ git_dir=$(git rev-parse --git-common-dir); grep -qx "/.gpu-bin/" "$git_dir/info/
 cargo build --release -p calla-cli
 out=$(cargo test --release -p calla-cuda --test gpu --no-run 2>&1)
 echo "$out" | tail -n 3
-test_bin=$(echo "$out" | grep -o "/[^ ]*/release/deps/gpu-[0-9a-f]*" | tail -n 1)
+test_bin=$(echo "$out" | grep -o "[^ (]*release/deps/gpu-[0-9a-f]*" | tail -n 1)
 [ -n "$test_bin" ] || { echo "could not find the gpu test binary" >&2; exit 1; }
 rm -rf .gpu-bin && mkdir -p .gpu-bin
 cp "${CARGO_TARGET_DIR:-target}/release/calla" .gpu-bin/calla

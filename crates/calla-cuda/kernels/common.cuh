@@ -435,30 +435,68 @@ __host__ __device__ __forceinline__ int lanes_per_row(int units) {
     return w;
 }
 
-// Load x [K] into shared memory (padded layout, xpad), applying the zero-centred RMSNorm when `gain`
-// (= 1 + w) is given: x̂ = x · (1/√(mean(x²) + eps)) · gain (calla_cpu::norm::rms_norm_zero_centred).
-// When `unit` > 0 also writes usum[u] = Σ x̂ over unit u (the `unit` values from u·unit), summed in
-// order. Ends with a barrier.
-__device__ __forceinline__ void load_input(const float* x, const float* gain, float eps, int K, float* xs,
-                                           float* usum, int unit, float* red) {
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        const float v = x[i];
-        xs[xpad(i)] = v;
-        ss += v * v;
-    }
-    if (gain) {
-        const float total = block_sum(ss, red);
-        const float inv = 1.0f / sqrtf(total / (float)K + eps); // x̂ = x / √(mean(x²) + eps)
-        for (int i = threadIdx.x; i < K; i += blockDim.x) xs[xpad(i)] = xs[xpad(i)] * inv * gain[i];
-    }
-    if (unit > 0) {
-        __syncthreads();
-        for (int u = threadIdx.x; u < K / unit; u += blockDim.x) {
-            const float* v = xs + xpad(u * unit);
-            float s = 0.0f;
-            for (int j = 0; j < unit; ++j) s += v[j];
-            usum[u] = s;
+// Stage n floats (n % 8 == 0) of x from global memory into shared memory (padded layout xpad over the
+// flat index), applying the zero-centred RMSNorm when `gain` (= 1 + w) is given:
+// x̂ = x · (1/√(mean(x²) + eps)) · gain (calla_cpu::norm::rms_norm_zero_centred). With UNIT (16 or 32)
+// also writes usum[u] = Σ x̂ over unit u (UNIT floats from u·UNIT). Ends with a barrier.
+// Each thread owns chunks of 8 consecutive floats and issues all its 16-byte loads (x and gain) before
+// it uses any: the prologue costs one memory round trip, not one per element (the loop it replaced
+// waited on K/blockDim serial loads). With `gain`, n ≤ 8·STAGE_BATCH·blockDim (the launchers check).
+#define STAGE_BATCH 4
+template <int UNIT>
+__device__ __forceinline__ void stage_input(const float* src, const float* gain, float eps, int n, float* xs,
+                                            float* usum, float* red) {
+    const int nchunks = n >> 3;
+    for (int base = 0; base < nchunks; base += STAGE_BATCH * blockDim.x) {
+        float4 v[STAGE_BATCH][2], g[STAGE_BATCH][2];
+#pragma unroll
+        for (int b = 0; b < STAGE_BATCH; ++b) {
+            const int q = base + b * blockDim.x + threadIdx.x;
+            const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            v[b][0] = v[b][1] = g[b][0] = g[b][1] = zero;
+            if (q < nchunks) {
+                v[b][0] = ((const float4*)src)[2 * q];
+                v[b][1] = ((const float4*)src)[2 * q + 1];
+                if (gain) {
+                    g[b][0] = ((const float4*)gain)[2 * q];
+                    g[b][1] = ((const float4*)gain)[2 * q + 1];
+                }
+            }
+        }
+        float inv = 1.0f;
+        if (gain) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int b = 0; b < STAGE_BATCH; ++b)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    ss += v[b][h].x * v[b][h].x + v[b][h].y * v[b][h].y + v[b][h].z * v[b][h].z + v[b][h].w * v[b][h].w;
+            const float total = block_sum(ss, red);
+            inv = 1.0f / sqrtf(total / (float)n + eps); // x̂ = x / √(mean(x²) + eps)
+        }
+#pragma unroll
+        for (int b = 0; b < STAGE_BATCH; ++b) {
+            const int q = base + b * blockDim.x + threadIdx.x;
+            float x8[8] = {v[b][0].x, v[b][0].y, v[b][0].z, v[b][0].w, v[b][1].x, v[b][1].y, v[b][1].z, v[b][1].w};
+            if (gain) {
+                const float g8[8] = {g[b][0].x, g[b][0].y, g[b][0].z, g[b][0].w,
+                                     g[b][1].x, g[b][1].y, g[b][1].z, g[b][1].w};
+#pragma unroll
+                for (int i = 0; i < 8; ++i) x8[i] = x8[i] * inv * g8[i];
+            }
+            if (q < nchunks) {
+                float4* d = (float4*)(xs + xpad(8 * q));
+                d[0] = make_float4(x8[0], x8[1], x8[2], x8[3]);
+                d[1] = make_float4(x8[4], x8[5], x8[6], x8[7]);
+            }
+            if (UNIT > 0) { // a unit is UNIT/8 consecutive chunks = that many consecutive lanes
+                float sum = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) sum += x8[i];
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                if (UNIT == 32) sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                if (q < nchunks && q % (UNIT / 8) == 0) usum[q / (UNIT / 8)] = sum;
+            }
         }
     }
     __syncthreads();

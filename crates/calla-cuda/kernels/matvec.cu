@@ -68,7 +68,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
         matvec_prefetch_pass(p, (blockIdx.x + k * gridDim.x) * rows_per_pass, rows_per_pass);
     griddep_launch_dependents();
     griddep_wait();
-    load_input((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, F::AFFINE ? F::W : 0, red);
+    stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, red);
 
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
     const int units_per_group = F::AFFINE ? p.group_size / F::W : 1;

@@ -59,7 +59,7 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
         prefetch_rows(p.router, blockIdx.x * rows_per_block, min(rows_per_block, p.E - blockIdx.x * rows_per_block));
     griddep_launch_dependents();
     griddep_wait();
-    load_input((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, F::AFFINE ? F::W : 0, red);
+    stage_input<F::AFFINE ? F::W : 0>((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
     float* logits = (float*)p.logits;
     if (blockIdx.x == 0)
         for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
@@ -168,7 +168,7 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
             prefetch_rows(m, row0 + n + j, cnt);
         }
     }
-    load_input((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, F::AFFINE ? F::W : 0, red);
+    stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
     for (int base = blockIdx.x * pairs_per_pass; base < n; base += gridDim.x * pairs_per_pass) {
         const int j0 = base + group * 2, j1 = j0 + 1;
         const int c0 = min(j0, n - 1), c1 = min(j1, n - 1);
@@ -224,20 +224,10 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
             else prefetch_rows(p.shared, rb, cnt);
         }
     }
-    for (int i = threadIdx.x; i < nslots * p.act_stride; i += blockDim.x) {
-        const int s = i / p.act_stride, j = i - s * p.act_stride;
-        acts[s * pitch + xpad(j)] = ((const float*)p.act)[(i64)p.slot_begin * p.act_stride + i];
-    }
-    __syncthreads();
-    if (F::AFFINE)
-        for (int i = threadIdx.x; i < nslots * upr; i += blockDim.x) {
-            const int s = i / upr, u = i - s * upr;
-            const float* v = acts + s * pitch + xpad(u * F::W);
-            float sum = 0.0f;
-            for (int j = 0; j < F::W; ++j) sum += v[j];
-            usum[i] = sum;
-        }
-    __syncthreads();
+    // act_stride % 32 == 0 (the launcher checks), so the flat padded layout puts slot s's row at
+    // s·pitch and its unit sums at s·upr
+    stage_input<F::AFFINE ? F::W : 0>((const float*)p.act + (i64)p.slot_begin * p.act_stride, nullptr, 0.0f,
+                                      nslots * p.act_stride, acts, usum, nullptr);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     const int r0 = (blockIdx.x * nwarps + warp) * DOWN_ROWS;
     if (r0 >= p.D) return;

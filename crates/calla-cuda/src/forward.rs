@@ -124,7 +124,8 @@ impl Scratch {
             ),
             FeedForwardSpec::Dense { intermediate } => (0, 0, 0, *intermediate),
         };
-        let act_stride = i.max(is).max(1);
+        // a multiple of 32: moe.cu's down kernel stages all slots' rows as one padded vector
+        let act_stride = i.max(is).max(1).next_multiple_of(32);
         let mut f32s = |n: usize| arena.alloc_zeroed(n.max(1) * 4);
         let scratch = Scratch {
             cursor: f32s(4)?,

@@ -43,6 +43,24 @@ pub fn input_smem_bytes(k: usize, format: Format) -> u32 {
     ((xpad_len(k) + k / format.per_unit()) * 4) as u32
 }
 
+/// What common.cuh `stage_input` needs: whole 8-float chunks, and with the norm every chunk of x in
+/// one batch of STAGE_BATCH chunks per thread (K ≤ 8,192 at 256 threads).
+pub fn check_staged_input(k: usize, normalised: bool) -> Result<()> {
+    ensure!(
+        k % 8 == 0,
+        "decode kernels need input widths divisible by 8, got {k}"
+    );
+    ensure!(
+        !normalised || k <= 8 * STAGE_BATCH * THREADS as usize,
+        "the fused RMSNorm supports widths up to {}, got {k}",
+        8 * STAGE_BATCH * THREADS as usize
+    );
+    Ok(())
+}
+
+/// common.cuh STAGE_BATCH: 8-float chunks of the input each thread loads at once.
+const STAGE_BATCH: usize = 4;
+
 /// The dot-product engine's shape (common.cuh `rows_dot`) for rows of `units` 16-byte units read by
 /// `width` lanes: "_r4" (4 rows × 2 units in flight per lane) when a lane has at most 2 units per
 /// row, else "_r2" (2 rows × 4 units). Returns (kernel suffix, rows per lane group).
@@ -99,6 +117,7 @@ fn matvec_one(
     accumulate: bool,
 ) -> Result<Launch> {
     let format = segments[0].0.format;
+    check_staged_input(k, norm.is_some())?;
     let mut p = MatvecParams {
         x: x.0,
         norm_gain: norm.map(|n| n.0 .0).unwrap_or(0),

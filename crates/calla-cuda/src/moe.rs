@@ -119,6 +119,8 @@ fn gate_up_launch(
     slots: (usize, usize),
 ) -> Result<Launch> {
     let fmt = routed.map(|r| r.0).or(shared).expect("a slot").format;
+    let cols = routed.map(|r| r.0.cols).or(shared.map(|s| s.cols)).unwrap_or(0);
+    crate::matvec::check_staged_input(cols, norm)?;
     let d = routed
         .map(|r| r.0.cols)
         .or(shared.map(|s| s.cols))
@@ -169,6 +171,11 @@ fn down_launch(
     slots: (usize, usize),
 ) -> Result<Launch> {
     let m = routed.map(|r| r.0).or(shared.map(|s| s.0)).expect("a slot");
+    ensure!(
+        io.act_stride % 32 == 0,
+        "moe down: activation stride {} is not a multiple of 32",
+        io.act_stride
+    );
     let d = routed.map(|r| r.1).unwrap_or(m.rows);
     let p = DownParams {
         act: io.act.0,
@@ -217,6 +224,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
         w.gate_up.rows == 2 * e * i && w.down.rows == e * d && w.down.cols == i,
         "expert shapes inconsistent"
     );
+    crate::matvec::check_staged_input(d, true)?;
     let p = RouterParams {
         h: io.h.0,
         norm_gain: io.norm_gain.0,
