@@ -381,6 +381,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 
 // Prefetch rows [row0, row0 + nrows) of m (codes and group parameters) with the block's threads.
 __device__ __forceinline__ void prefetch_rows(const MatrixRef& m, i64 row0, int nrows) {
+#if defined(LAB_NO_PREFETCH)
+    return;
+#endif
     const i64 code_bytes = (i64)nrows * m.row_bytes;
     const u8* data = (const u8*)m.data + row0 * m.row_bytes;
     for (i64 off = (i64)threadIdx.x * 128; off < code_bytes; off += (i64)blockDim.x * 128) prefetch_l2(data + off);
@@ -409,7 +412,12 @@ __device__ __forceinline__ void rows_dot(const RowPtr (&rows)[R], const float* x
             if (u < units) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
+#if defined(LAB_NO_LOADS) // lab: codes made from the address, no weight traffic
+                    const u32 fake = (u32)(size_t)(rows[r].data + (i64)u * 16);
+                    w[k][r] = make_uint4(fake, fake * 3u, fake * 5u, fake * 7u);
+#else
                     w[k][r] = ldg16(rows[r].data + (i64)u * 16);
+#endif
                     if (F::AFFINE) sb[k][r] = row_group_params(rows[r], u / units_per_group);
                 }
             }
@@ -419,7 +427,12 @@ __device__ __forceinline__ void rows_dot(const RowPtr (&rows)[R], const float* x
             const int u = u0 + k * width;
             if (u < units) {
                 float q[R];
+#if defined(LAB_NO_COMPUTE) // lab: the loads stay live, the arithmetic is one op per unit
+#pragma unroll
+                for (int r = 0; r < R; ++r) q[r] = __uint_as_float((w[k][r].x ^ w[k][r].y ^ w[k][r].z ^ w[k][r].w) & 0x3fffffffu);
+#else
                 UnitDot<FMT, R>::run(w[k], x + xpad(u * F::W), q);
+#endif
 #pragma unroll
                 for (int r = 0; r < R; ++r)
                     acc[r] += F::AFFINE ? fmaf(sb[k][r].x, q[r], sb[k][r].y * usum[u]) : q[r];
