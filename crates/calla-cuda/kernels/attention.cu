@@ -7,8 +7,10 @@
 //   o_h ← o_h ⊙ sigmoid(gate_h)
 // KV cache (per sequence, at cursor.state_base + k_off / v_off): [Hkv, max_ctx, Dh], bf16 or f32.
 //
-// attn_decode_*: split-KV ("flash decoding"), grid (nsplit, Hkv), block 32·G threads (G = Hq/Hkv q
-// heads share one K/V tile: warp g is q head kvh·G + g).
+// attn_decode_*: split-KV ("flash decoding"), grid (nsplit, Hkv). Described here for
+// attn_decode_f32: block 32·G threads (G = Hq/Hkv q heads share one K/V tile: warp g is q head
+// kvh·G + g). attn_decode_bf16 (the default cache; after the merge code) keeps the splits, the
+// prologue, the partials and the merge, and runs the tiles on the tensor cores.
 //   Live splits (from the cursor, so one captured graph serves every position): the p+1 positions
 //   are T = ⌈(p+1)/TILE⌉ tiles; S = min(nsplit, ⌈T/min_tiles⌉) ≤ T splits, split s takes tiles
 //   [⌊s·T/S⌋, ⌊(s+1)·T/S⌋) (none empty, sizes within one tile). Blocks with split ≥ S exit at once.
@@ -327,7 +329,325 @@ __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
     merge_partials(p, hq, 0, ATTN_GROUP, ngroups, w_s, true);
 }
 
-extern "C" __global__ void __launch_bounds__(512) attn_decode_bf16(const AttnDecodeParams p) { attn_decode_body<u16>(p); }
+// ---------------------------------------------------------------- bf16 cache on the tensor cores
+// attn_decode_bf16: the same splits, prologue, partials and merge as above; 256 threads whatever
+// G; the tiles of a split stream through an ATTN_STAGES-deep cp.async ring (the first ones issued
+// before the prologue), and both products run on mma.sync m16n8k16 (bf16 in, f32 accumulate) with
+// the positions / dims as M and the ≤ 16 q heads of the group as N (one or two n-tiles of 8):
+//   scores  Sᵀ[t, h] = Σ_d K[t, d]·q_h[d]     A = K tile (row-major in shared memory, ldmatrix),
+//           B = qᵀ from registers; warp w: positions 16·(w & 1)…, d-chunks of 16: w>>1, +4, +8, +12;
+//           the 4 partial sums per (t, h) are added in chunk-group order through shared memory.
+//   softmax warp ↔ head (h = w, w + 8), lane ↔ position, as in the f32 kernel.
+//   output  Oᵀ[d, h] += Σ_t V[t, d]·P[h, t]   A = Vᵀ (ldmatrix.trans of the V tile), B = Pᵀ;
+//           warp w owns the d-tiles w, w + 8 (accumulators stay in registers over the tiles).
+// q and P are f32 values split into bf16 hi + lo (two mmas each): products exact, residue ~2⁻¹⁷
+// relative, so the result stays at f32 accuracy over the bf16 cache (K and V are bf16 already).
+// Rows past p are zero-filled (zero V rows: 0·garbage never makes NaN); row p comes from the
+// prologue (shared memory), not the cache.
+// Dynamic smem (bytes): STAGES·2·TILE·(Dh+8)·2 (K, V ring; later the merge weights)
+//   + max((G+1)·Dh, KGROUPS·TILE·16)·4 (q rows and the k row, then the score partials)
+//   + 2·Dh·2 (K[p], V[p] bf16) + 2·16·P_PITCH·2 (P hi, lo) + 16·4 (rescale per head).
+#define ATTN_WARPS 8
+#define ATTN_STAGES 3
+#define ATTN_KGROUPS 4  // score partial sums per (position, head)
+#define ATTN_P_PITCH 40 // bf16 per P row [head][position]: 20 words apart, B reads conflict-free
+
+// Helpers as in mma.cuh (not prepended to this module).
+__device__ __forceinline__ u32 attn_smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+// 16-byte global → shared copy; src_bytes = 0 writes zeros.
+__device__ __forceinline__ void attn_cp_async16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void attn_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void attn_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void attn_ldsm_x4(u32 addr, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void attn_ldsm_x4_trans(u32 addr, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+// c += a·b (16×16 · 16×8, bf16 operands, f32 accumulators); fragments as documented in mma.cuh.
+__device__ __forceinline__ void attn_mma(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// (x0, x1) → packed bf16 hi pair and lo pair (x ≈ hi + lo), low half = x0.
+__device__ __forceinline__ void attn_split_pair(float x0, float x1, u32& hi, u32& lo) {
+    const u16 h0 = f32_to_bf16(x0), h1 = f32_to_bf16(x1);
+    hi = (u32)h0 | ((u32)h1 << 16);
+    lo = (u32)f32_to_bf16(x0 - bf16_to_f32(h0)) | ((u32)f32_to_bf16(x1 - bf16_to_f32(h1)) << 16);
+}
+
+// Issue the cp.asyncs of one tile (positions base…base + n − 1; rows ≥ n zero-filled; row
+// `skip_row` left alone: the caller writes it) into the K and V halves of a ring stage.
+__device__ __forceinline__ void attn_issue_tile(u16* stage, const u16* kc, const u16* vc, int base, int n,
+                                                int skip_row, int Dh) {
+    const int kp = k_pitch<u16>(Dh), cpr = Dh / 8; // 16-byte chunks per row
+    const u32 ks = attn_smem_u32(stage), vs = ks + ATTN_TILE * kp * 2;
+    for (int i = threadIdx.x; i < ATTN_TILE * cpr; i += blockDim.x) {
+        const int r = i / cpr, c = i - r * cpr;
+        if (r == skip_row) continue;
+        const bool live = r < n;
+        const i64 src = (i64)(base + (live ? r : 0)) * Dh + c * 8;
+        const u32 dst = (u32)(r * kp + c * 8) * 2;
+        attn_cp_async16(ks + dst, kc + src, live ? 16 : 0);
+        attn_cp_async16(vs + dst, vc + src, live ? 16 : 0);
+    }
+}
+
+__device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p) {
+    extern __shared__ __align__(16) unsigned char attn_smem[];
+    __shared__ int last_s;
+    griddep_launch_dependents();
+    griddep_wait();
+    const int G = p.Hq / p.Hkv, Dh = p.Dh, kvh = blockIdx.y, split = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, qd = lane & 3; // mma fragment: row group, column pair
+    const int NT = G > 8 ? 2 : 1;            // n-tiles of 8 heads
+    const Cursor cur = *(const Cursor*)p.cursor;
+    const int len = cur.pos + 1;
+    const int2 live = attn_live_splits(cur.pos, p.nsplit, p.min_tiles);
+    const int nsp = live.x, tiles = live.y;
+    if (split >= nsp) return; // beyond the live splits at this position (whole block)
+    const int t0 = (int)((i64)split * tiles / nsp) * ATTN_TILE;
+    const int t1 = min(len, (int)((i64)(split + 1) * tiles / nsp) * ATTN_TILE);
+    const int ntiles = (t1 - t0 + ATTN_TILE - 1) / ATTN_TILE;
+    const int kp = k_pitch<u16>(Dh), stage_elems = 2 * ATTN_TILE * kp;
+    u16* kv_s = (u16*)attn_smem;                              // [STAGES][K, V][TILE, kp]
+    float* q_s = (float*)(kv_s + ATTN_STAGES * stage_elems); // [G, Dh] q, [Dh] k; then red
+    float* red_s = q_s;                                      // [KGROUPS, TILE, 16] score partials
+    u16* kvp_s = (u16*)(q_s + max((G + 1) * Dh, ATTN_KGROUPS * ATTN_TILE * 16)); // [2, Dh]
+    u16* p_s = kvp_s + 2 * Dh;                          // [hi, lo][16 heads][P_PITCH]
+    float* corr_s = (float*)(p_s + 2 * 16 * ATTN_P_PITCH); // [16]
+    u16* kc = (u16*)(cur.state_base + p.k_off) + (i64)kvh * p.max_ctx * Dh;
+    u16* vc = (u16*)(cur.state_base + p.v_off) + (i64)kvh * p.max_ctx * Dh;
+    const bool block_holds_p = t1 == len;
+    auto tile_rows = [&](int i, int& base, int& n, int& p_row) {
+        base = t0 + i * ATTN_TILE;
+        n = min(ATTN_TILE, t1 - base);
+        p_row = block_holds_p && i == ntiles - 1 ? n - 1 : -1;
+    };
+
+    // The cache rows do not depend on the prologue: the first tiles are on their way meanwhile.
+#pragma unroll
+    for (int i = 0; i < ATTN_STAGES - 1; ++i) {
+        if (i < ntiles) {
+            int base, n, p_row;
+            tile_rows(i, base, n, p_row);
+            attn_issue_tile(kv_s + i * stage_elems, kc, vc, base, n, p_row, Dh);
+        }
+        attn_cp_commit();
+    }
+    for (int i = tid; i < 16 * ATTN_P_PITCH; i += blockDim.x) ((u32*)p_s)[i] = 0u; // padded heads: P = 0
+    if (tid < 16) corr_s[tid] = 1.0f;
+    for (int h = warp; h < G; h += ATTN_WARPS)
+        norm_rope_row((const float*)p.qg + (i64)(kvh * G + h) * Dh * (p.gated ? 2 : 1), (const float*)p.q_gain,
+                      (const float*)p.inv_freq, q_s + h * Dh, Dh, p.rot, cur.pos, p.eps, p.scale);
+    if (block_holds_p && warp == G % ATTN_WARPS) {
+        float* k_row = q_s + G * Dh;
+        norm_rope_row((const float*)p.k + (i64)kvh * Dh, (const float*)p.k_gain, (const float*)p.inv_freq, k_row,
+                      Dh, p.rot, cur.pos, p.eps, 1.0f);
+        const float* v = (const float*)p.v + (i64)kvh * Dh;
+        const i64 row = (i64)cur.pos * Dh;
+        for (int d = lane; d < Dh; d += 32) {
+            const u16 kb = f32_to_bf16(k_row[d]), vb = f32_to_bf16(v[d]);
+            kc[row + d] = kb;
+            vc[row + d] = vb;
+            kvp_s[d] = kb;
+            kvp_s[Dh + d] = vb;
+        }
+    }
+    __syncthreads(); // q_s, k row, P padding, corr
+
+    // qᵀ as B fragments, split hi + lo: b0 = (d 16c + 2qd, +1; head 8nt + gq), b1 = d + 8.
+    const int mt = warp & 1, kg = warp >> 1, nchunks = Dh / 16;
+    u32 qb[4][2][4]; // [chunk kg + 4j][n-tile][b0 hi, b1 hi, b0 lo, b1 lo]
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const int c = kg + 4 * j, h = nt * 8 + gq;
+            float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (c < nchunks && h < G) {
+                const float* q = q_s + h * Dh + c * 16 + 2 * qd;
+                x[0] = q[0];
+                x[1] = q[1];
+                x[2] = q[8];
+                x[3] = q[9];
+            }
+            attn_split_pair(x[0], x[1], qb[j][nt][0], qb[j][nt][2]);
+            attn_split_pair(x[2], x[3], qb[j][nt][1], qb[j][nt][3]);
+        }
+
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f}; // heads warp, warp + 8
+    float o[2][2][4];                                              // [d-tile warp + 8j][n-tile][c]
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[j][nt][e] = 0.0f;
+
+    for (int i = 0; i < ntiles; ++i) {
+        int base, n, p_row;
+        tile_rows(i, base, n, p_row);
+        u16* ks = kv_s + (i % ATTN_STAGES) * stage_elems;
+        u16* vs = ks + ATTN_TILE * kp;
+        attn_cp_wait<ATTN_STAGES - 2>(); // this thread's copies of tile i have landed
+        if (p_row >= 0)
+            for (int d = tid; d < Dh; d += blockDim.x) {
+                ks[p_row * kp + d] = kvp_s[d];
+                vs[p_row * kp + d] = kvp_s[Dh + d];
+            }
+        __syncthreads(); // tile i complete; every warp is past tile i − 1 (scores, P, P·V)
+        {
+            const int next = i + ATTN_STAGES - 1; // into the stage tile i − 1 used
+            if (next < ntiles) {
+                int nb, nn, np;
+                tile_rows(next, nb, nn, np);
+                attn_issue_tile(kv_s + (next % ATTN_STAGES) * stage_elems, kc, vc, nb, nn, np, Dh);
+            }
+            attn_cp_commit();
+        }
+        // scores: this warp's 16 positions × its d-chunks
+        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int c = kg + 4 * j;
+            if (c < nchunks) {
+                u32 a[4];
+                const int row = mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+                attn_ldsm_x4(attn_smem_u32(ks + row * kp + c * 16 + 8 * (lane >> 4)), a);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+                    if (nt < NT) {
+                        attn_mma(sc[nt], a, qb[j][nt][0], qb[j][nt][1]);
+                        attn_mma(sc[nt], a, qb[j][nt][2], qb[j][nt][3]);
+                    }
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+            if (nt < NT) {
+                const int t = mt * 16 + gq, h = nt * 8 + 2 * qd;
+                *(float2*)(red_s + (kg * ATTN_TILE + t) * 16 + h) = make_float2(sc[nt][0], sc[nt][1]);
+                *(float2*)(red_s + (kg * ATTN_TILE + t + 8) * 16 + h) = make_float2(sc[nt][2], sc[nt][3]);
+            }
+        __syncthreads(); // score partials complete
+        // online softmax: warp ↔ head, lane ↔ position
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int h = warp + ATTN_WARPS * r;
+            if (h < G) {
+                float s = NEG_INF;
+                if (lane < n) {
+                    s = red_s[lane * 16 + h];
+#pragma unroll
+                    for (int k = 1; k < ATTN_KGROUPS; ++k) s += red_s[(k * ATTN_TILE + lane) * 16 + h];
+                }
+                const float m_new = fmaxf(m_run[r], warp_max(s));
+                const float pr = lane < n ? expf(s - m_new) : 0.0f;
+                const float corr = expf(m_run[r] - m_new); // 0 on the first tile (m = −inf)
+                l_run[r] = l_run[r] * corr + warp_sum(pr);
+                m_run[r] = m_new;
+                const u16 hi = f32_to_bf16(pr);
+                p_s[h * ATTN_P_PITCH + lane] = hi;
+                p_s[(16 + h) * ATTN_P_PITCH + lane] = f32_to_bf16(pr - bf16_to_f32(hi));
+                if (lane == 0) corr_s[h] = corr;
+            }
+        }
+        __syncthreads(); // P and the rescale factors complete
+        // Oᵀ[d, h] = corr_h·Oᵀ[d, h] + Σ_t V[t, d]·P[h, t]
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int md = warp + ATTN_WARPS * j;
+            if (md < Dh / 16) {
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+                    if (nt < NT) {
+                        const float c0 = corr_s[nt * 8 + 2 * qd], c1 = corr_s[nt * 8 + 2 * qd + 1];
+                        o[j][nt][0] *= c0;
+                        o[j][nt][1] *= c1;
+                        o[j][nt][2] *= c0;
+                        o[j][nt][3] *= c1;
+                    }
+#pragma unroll
+                for (int kk = 0; kk < ATTN_TILE / 16; ++kk) {
+                    u32 a[4];
+                    const int row = kk * 16 + (lane & 7) + 8 * (lane >> 4);
+                    attn_ldsm_x4_trans(attn_smem_u32(vs + row * kp + md * 16 + 8 * ((lane >> 3) & 1)), a);
+#pragma unroll
+                    for (int nt = 0; nt < 2; ++nt)
+                        if (nt < NT) {
+                            const u16* ph = p_s + (nt * 8 + gq) * ATTN_P_PITCH + kk * 16 + 2 * qd;
+                            const u16* pl = ph + 16 * ATTN_P_PITCH;
+                            attn_mma(o[j][nt], a, *(const u32*)ph, *(const u32*)(ph + 8));
+                            attn_mma(o[j][nt], a, *(const u32*)pl, *(const u32*)(pl + 8));
+                        }
+                }
+            }
+        }
+    }
+    attn_cp_wait<0>(); // only empty groups remain; nothing in flight when the ring is reused below
+
+    // Partials: m, l by the softmax warps; acc from the C fragments (d 16·md + gq (+8), head 2qd (+1)).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = warp + ATTN_WARPS * r;
+        if (h < G && lane == 0) {
+            const i64 slot = (i64)(kvh * G + h) * p.nsplit + split;
+            ((float*)p.part_m)[slot] = m_run[r];
+            ((float*)p.part_l)[slot] = l_run[r];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int md = warp + ATTN_WARPS * j;
+        if (md < Dh / 16)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int h = nt * 8 + 2 * qd + (e & 1), d = md * 16 + gq + 8 * (e >> 1);
+                    if (nt < NT && h < G)
+                        ((float*)p.part_acc)[((i64)(kvh * G + h) * p.nsplit + split) * Dh + d] = o[j][nt][e];
+                }
+    }
+
+    // Merge as in the f32 kernel; warp w merges heads w, w + 8.
+    const int group = split / ATTN_GROUP, first = group * ATTN_GROUP;
+    const int ngroups = (nsp + ATTN_GROUP - 1) / ATTN_GROUP;
+    unsigned* tickets = (unsigned*)p.tickets + (i64)kvh * (1 + (p.nsplit + ATTN_GROUP - 1) / ATTN_GROUP);
+    if (!arrive_last(tickets + 1 + group, min(ATTN_GROUP, nsp - first), &last_s)) return;
+    float* w_s = (float*)kv_s + warp * ATTN_MAX_MERGE; // the ring is idle (arrive_last synchronised)
+    for (int h = warp; h < G; h += ATTN_WARPS) {
+        merge_partials(p, kvh * G + h, first, 1, min(ATTN_GROUP, nsp - first), w_s, ngroups == 1);
+        __syncwarp(); // w_s is rewritten by the next head
+    }
+    if (ngroups == 1) return;
+    if (!arrive_last(tickets, ngroups, &last_s)) return;
+    for (int h = warp; h < G; h += ATTN_WARPS) {
+        merge_partials(p, kvh * G + h, 0, ATTN_GROUP, ngroups, w_s, true);
+        __syncwarp();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) attn_decode_bf16(const AttnDecodeParams p) {
+    attn_decode_bf16_body(p);
+}
 extern "C" __global__ void __launch_bounds__(512) attn_decode_f32(const AttnDecodeParams p) { attn_decode_body<float>(p); }
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).

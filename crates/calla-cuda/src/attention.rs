@@ -127,17 +127,45 @@ pub fn check_dims(spec: &ModelSpec) -> Result<()> {
     Ok(())
 }
 
-/// Dynamic shared memory of attn_decode: q [G, Dh] f32, k and v of position p [Dh] f32 each, then
-/// the K and V tiles (reused for the merge weights [G, MAX_MERGE] f32 once the tiles are done).
+/// Threads per block of attn_decode_bf16 (attention.cu ATTN_WARPS warps, whatever G).
+const BF16_THREADS: usize = 256;
+/// K/V tiles in the cp.async ring of attn_decode_bf16 (attention.cu ATTN_STAGES).
+const BF16_STAGES: usize = 3;
+/// Score partial sums per (position, head) in attn_decode_bf16 (attention.cu ATTN_KGROUPS).
+const BF16_KGROUPS: usize = 4;
+/// bf16 per row of P [head][position] (attention.cu ATTN_P_PITCH).
+const BF16_P_PITCH: usize = 40;
+
+/// Threads per block of attn_decode: 32 per q head of a group (f32 cache), 256 (bf16 cache).
+pub fn decode_threads(spec: &ModelSpec, kv: KvDtype) -> usize {
+    match kv {
+        KvDtype::F32 => 32 * (spec.num_attention_heads / spec.num_key_value_heads),
+        KvDtype::Bf16 => BF16_THREADS,
+    }
+}
+
+/// Dynamic shared memory of attn_decode (layouts in attention.cu).
+/// f32: q [G, Dh] f32, k and v of position p [Dh] f32 each, then the K and V tiles (reused for the
+/// merge weights [G, MAX_MERGE] f32 once the tiles are done).
+/// bf16: the K/V ring [STAGES, 2, TILE, Dh + 8] bf16 (later the merge weights), q rows and the k
+/// row [G + 1, Dh] f32 sharing bytes with the score partials [KGROUPS, TILE, 16] f32, K[p] and V[p]
+/// [2, Dh] bf16, P hi and lo [2, 16, P_PITCH] bf16, the rescale factors [16] f32.
 pub fn decode_smem(spec: &ModelSpec, kv: KvDtype) -> usize {
     let g = spec.num_attention_heads / spec.num_key_value_heads;
     let dh = spec.head_dim;
-    let pitch = match kv {
-        KvDtype::F32 => dh + 4,
-        KvDtype::Bf16 => dh + 8,
-    };
-    let tiles = TILE * pitch * kv.size() + TILE * dh * kv.size();
-    g * dh * 4 + 2 * dh * 4 + tiles.max(g * MAX_MERGE * 4)
+    match kv {
+        KvDtype::F32 => {
+            let pitch = dh + 4;
+            let tiles = TILE * pitch * 4 + TILE * dh * 4;
+            g * dh * 4 + 2 * dh * 4 + tiles.max(g * MAX_MERGE * 4)
+        }
+        KvDtype::Bf16 => {
+            let ring = BF16_STAGES * 2 * TILE * (dh + 8) * 2;
+            let rows = ((g + 1) * dh).max(BF16_KGROUPS * TILE * 16) * 4;
+            // the ring (≥ 15 KB) always holds the merge weights (≤ 16·MAX_MERGE f32)
+            ring + rows + 2 * dh * 2 + 2 * 16 * BF16_P_PITCH * 2 + 16 * 4
+        }
+    }
 }
 
 /// u32 words of merge tickets for `hkv` KV heads and `nsplit` grid splits: per kv head one for
@@ -191,12 +219,11 @@ pub fn decode(
         eps: spec.rms_norm_eps,
         scale: (dh as f32).powf(-0.5),
     };
-    let g = hq / hkv;
     Ok(vec![Launch::new(
         gpu,
         &format!("attn_decode_{}", kv.suffix()),
         (io.nsplit as u32, hkv as u32, 1),
-        (32 * g) as u32,
+        decode_threads(spec, kv) as u32,
         decode_smem(spec, kv) as u32,
         &params,
     )?])

@@ -1023,7 +1023,29 @@ fn attention_decode_prefilled_long_context() {
             if kv == KvDtype::F32 { 1e-4 } else { 2e-2 },
         );
     }
-    // The real shape at 32K (1,024 tiles, 8 per split) and the positions where the split count
+    // Wide groups: G = 16 (in the bf16 kernel two n-tiles of 8 heads, two heads per warp, each
+    // warp merging two heads), Dh 64 (4 d-chunks: one per score warp pair, d-tiles on warps 0..3),
+    // rotary 32; grid 47 splits (3 merge groups).
+    let mut wide = tiny.clone();
+    wide.num_attention_heads = 32;
+    wide.num_key_value_heads = 2;
+    wide.head_dim = 64;
+    wide.rotary_dim = 32;
+    let w = random_weights(&wide, None, 74);
+    let ctx = 47 * 32 - 9;
+    for kv in [KvDtype::F32, KvDtype::Bf16] {
+        all &= attention_prefilled_case(
+            &format!("attn prefilled wide G16 {kv:?}"),
+            &wide,
+            &w,
+            ctx,
+            kv,
+            &split_change_positions(calla_cuda::attention::num_splits(ctx), ctx),
+            1e-4,
+            if kv == KvDtype::F32 { 1e-4 } else { 2e-2 },
+        );
+    }
+    // The real shape at 32K (1,024 tiles, 8 per split: the bf16 kernel's 3-stage ring wraps) and the positions where the split count
     // changes on the way there.
     let (real, wr) = real_two_layers();
     let ctx = 32768;
@@ -1055,6 +1077,19 @@ fn attention_decode_prefilled_long_context() {
         &split_change_positions(128, 6000),
         1e-4,
         1e-4,
+    );
+    // Five tiles per split at least, bf16: several laps of the bf16 kernel's tile ring at tiny
+    // dims, splits of 5 and 6 tiles, the last one partial.
+    std::env::set_var("CALLA_ATTN_MIN_TILES", "5");
+    all &= attention_prefilled_case(
+        "attn prefilled tiny min 5 tiles bf16",
+        &tiny,
+        &w,
+        6000,
+        KvDtype::Bf16,
+        &split_change_positions(128, 6000),
+        1e-4,
+        2e-2,
     );
     std::env::remove_var("CALLA_ATTN_MIN_TILES");
     assert!(all);
