@@ -62,10 +62,6 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     const int units = p.K / F::W;
     const int width = lanes_per_row(units);
     const int rows_per_pass = blockDim.x / width * R;
-    // The block's rows of the first MATVEC_PREFETCH_PASSES passes go to L2 before the prologue; each
-    // pass then asks for the pass that many ahead (the lm_head's 254 MB do not fit in L2 at once).
-    for (int k = 0; k < MATVEC_PREFETCH_PASSES; ++k)
-        matvec_prefetch_pass(p, (blockIdx.x + k * gridDim.x) * rows_per_pass, rows_per_pass);
     griddep_launch_dependents();
     griddep_wait();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, red);
@@ -74,6 +70,9 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     const int units_per_group = F::AFFINE ? p.group_size / F::W : 1;
     // Every thread runs the same number of passes so the shuffles in group_sum see full warps.
     for (int base = blockIdx.x * rows_per_pass; base < p.total_rows; base += gridDim.x * rows_per_pass) {
+        // Long matrices (the lm_head: ~30 passes): each pass asks L2 for the pass that many ahead.
+        // Not before the first pass: measured, prefetching a kernel's first rows cost more than it
+        // saved (+1.7 µs per in-projection, docs/performance.md).
         matvec_prefetch_pass(p, base + MATVEC_PREFETCH_PASSES * gridDim.x * rows_per_pass, rows_per_pass);
         RowPtr rows[R];
         int seg_of[R], local[R];

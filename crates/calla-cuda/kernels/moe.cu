@@ -11,13 +11,15 @@
 // All three use the dot-product engine of common.cuh (rows_dot: R rows share each x̂ read, R·U
 // 16-byte weight loads in flight per lane, Σx̂ per unit precomputed for the affine bias term).
 // moe_router_*:  grid ⌈E/(rows per block)⌉ (+1 block for the shared-expert gate row) × 256 threads,
-//                2 router rows per lane group; each block normalises h itself (D·4 bytes from L2).
-//                The last block to finish (atomic ticket) does softmax + top-A with all its threads
-//                (each logit's rank = how many beat it, ties to the lower id) and resets the ticket:
-//                no host round trip.
-// moe_gate_up_*: grid (⌈n/(2·groups)⌉, slots), 256 threads; a lane group takes rows j, j+1 of one
-//                slot: gate_j, gate_j+1, up_j, up_j+1 in one rows_dot (R = 4), then
-//                act[slot, j] = silu(gate_j)·up_j. Expert ids are read from the device top-A list.
+//                2 router rows per lane group; each block normalises h itself (D·4 bytes from L2)
+//                and writes its logits.
+// moe_gate_up_*: grid (⌈n/(2·groups)⌉, slots), 256 threads. Every block first does softmax + top-A
+//                over the E logits with all its threads (select_experts: each logit's rank = how many
+//                beat it) — E = 256 comparisons per thread, cheaper than the ticketed last-block
+//                selection it replaced (a fence, an atomic and a serial tail in the router: ~4 µs of
+//                every layer's chain); block (0, 0) writes the top-A list for moe_down. Then a lane
+//                group takes rows j, j+1 of its slot: gate_j, gate_j+1, up_j, up_j+1 in one rows_dot
+//                (R = 4), act[slot, j] = silu(gate_j)·up_j. No host round trip anywhere.
 // moe_down_*:    grid ⌈D/16⌉, 256 threads, smem: the slots' activations (padded) and their Σ per
 //                unit; a warp takes 2 output rows r: Σ over slots and units (flattened, so I = 512
 //                still keeps 32 lanes busy), weighted per slot; h[r] += result.
@@ -34,12 +36,8 @@ struct RouterParams {
     MatrixRef router;// [E, D]
     u64 shared_gate; // [D] f32, or 0
     u64 xn;          // out [D]: x̂ for the expert kernels
-    u64 logits;      // scratch [E + 1]
-    u64 topk_ids;    // out [A] i32
-    u64 topk_w;      // out [A] f32
-    u64 shared_w;    // out [1] f32
-    u64 counter;     // u32 ticket, 0 between launches
-    int D, E, A, norm_topk, group_size;
+    u64 logits;      // out [E + 1]: router logits, then the shared-expert gate's
+    int D, E, group_size;
     float eps;
 };
 
@@ -50,13 +48,10 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     float* xs = (float*)smem4;
     float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
-    __shared__ int is_last;
     const int units = p.D / F::W, width = lanes_per_row(units);
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
     const int rows_per_block = blockDim.x / width * ROUTER_ROWS;
     const bool gate_block = p.shared_gate && blockIdx.x == gridDim.x - 1;
-    if (!gate_block)
-        prefetch_rows(p.router, blockIdx.x * rows_per_block, min(rows_per_block, p.E - blockIdx.x * rows_per_block));
     griddep_launch_dependents();
     griddep_wait();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
@@ -84,52 +79,37 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
         acc = warp_sum(acc);
         if (threadIdx.x == 0) logits[p.E] = acc;
     }
-    // Last block to finish selects.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    volatile float* vl = logits;
-    __shared__ float sl[MOE_MAX_E];
-    __shared__ int sel_id[MOE_MAX_A];
-    __shared__ float sel_p[MOE_MAX_A];
+}
+
+// Softmax + top-A of the router logits, by every block that needs it (moe_gate_up): each logit's rank
+// = how many logits beat it (ties: the lower id wins); ranks < A are the top-A in order, each written
+// by the one thread that owns it. A NaN logit is never selected. Ends with a barrier.
+//   sel_id[k], sel_p[k] = the k-th expert and its softmax probability.
+__device__ __forceinline__ void select_experts(const float* logits, int E, int A, float* sl, int* sel_id,
+                                               float* sel_p, float* red) {
     float mx = NEG_INF;
-    for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
-        const float v = vl[e];
-        sl[e] = v == v ? v : NEG_INF; // a NaN logit is never selected
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const float v = logits[e];
+        sl[e] = v == v ? v : NEG_INF;
         mx = fmaxf(mx, sl[e]);
     }
-    mx = block_max(mx, red); // ends with the logits visible to the whole block
+    mx = block_max(mx, red); // its barriers make sl visible to the block
     float z = 0.0f;
-    for (int e = threadIdx.x; e < p.E; e += blockDim.x) z += expf(sl[e] - mx);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) z += expf(sl[e] - mx);
     z = block_sum(z, red);
-    // Rank = how many logits beat this one (ties: the lower id wins); ranks < A are the top-A in
-    // order, each written by the one thread that owns it.
-    for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
         const float v = sl[e];
         int rank = 0;
-        for (int o = 0; o < p.E; ++o) {
+        for (int o = 0; o < E; ++o) {
             const float w = sl[o];
             rank += (w > v) || (w == v && o < e);
         }
-        if (rank < p.A) {
+        if (rank < A) {
             sel_id[rank] = e;
             sel_p[rank] = expf(v - mx) / z; // softmax probability of the selected expert
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float sel_sum = 0.0f;
-        for (int k = 0; k < p.A; ++k) sel_sum += sel_p[k];
-        for (int k = 0; k < p.A; ++k) {
-            ((int*)p.topk_ids)[k] = sel_id[k];
-            ((float*)p.topk_w)[k] = p.norm_topk ? sel_p[k] / sel_sum : sel_p[k];
-        }
-        *(float*)p.shared_w = p.shared_gate ? sigmoid_f(vl[p.E]) : 1.0f;
-        *(u32*)p.counter = 0u;
-    }
 }
 
 struct GateUpParams {
@@ -137,10 +117,14 @@ struct GateUpParams {
     u64 norm_gain;     // [D] or 0: normalise x in the prologue (dense MLP path)
     MatrixRef experts; // [E·2I, D]: expert e's gate rows at e·2I, up rows at e·2I + I
     MatrixRef shared;  // [2Is, D]: gate rows then up rows
-    u64 topk_ids;      // [A]
+    u64 logits;        // [E + 1] router logits (+ the shared gate's), or 0: no routed slots here
+    u64 topk_ids;      // out [A] i32, written by block (0, 0) for moe_down
+    u64 topk_w;        // out [A] f32
+    u64 shared_w;      // out [1] f32: sigmoid(shared gate logit), 1 without a gate
     u64 act;           // out [slots, act_stride]
-    int D, I, Is, A, group_size, act_stride, slot_offset;
+    int D, I, Is, A, E, norm_topk, has_shared_gate, group_size, act_stride, slot_offset;
     float eps;
+    int pad;
 };
 
 template <int FMT>
@@ -150,25 +134,33 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
     float* xs = (float*)smem4;
     float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
+    __shared__ float sl[MOE_MAX_E];
+    __shared__ int sel_id[MOE_MAX_A];
+    __shared__ float sel_p[MOE_MAX_A];
     griddep_launch_dependents();
     griddep_wait();
+    stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
+    // Routing, in every block (256 logits: cheaper than a separate selection launch and its wait).
+    if (p.logits) {
+        select_experts((const float*)p.logits, p.E, p.A, sl, sel_id, sel_p, red);
+        if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+            float sel_sum = 0.0f;
+            for (int k = 0; k < p.A; ++k) sel_sum += sel_p[k];
+            for (int k = 0; k < p.A; ++k) {
+                ((int*)p.topk_ids)[k] = sel_id[k];
+                ((float*)p.topk_w)[k] = p.norm_topk ? sel_p[k] / sel_sum : sel_p[k];
+            }
+            *(float*)p.shared_w = p.has_shared_gate ? sigmoid_f(((const float*)p.logits)[p.E]) : 1.0f;
+        }
+    }
     const int slot = blockIdx.y + p.slot_offset;
     const bool routed = slot < p.A;
     const int n = routed ? p.I : p.Is;
     const MatrixRef m = routed ? p.experts : p.shared; // by value: stays in registers
-    const i64 row0 = routed ? (i64)((const int*)p.topk_ids)[slot] * 2 * p.I : 0;
+    const i64 row0 = routed ? (i64)sel_id[slot] * 2 * p.I : 0;
     const int units = p.D / F::W, width = lanes_per_row(units);
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
     const int pairs_per_pass = blockDim.x / width * 2;
-    // this block's gate and up rows (first pass) to L2 while x̂ loads
-    {
-        const int j = blockIdx.x * pairs_per_pass, cnt = min(pairs_per_pass, n - j);
-        if (cnt > 0) {
-            prefetch_rows(m, row0 + j, cnt);
-            prefetch_rows(m, row0 + n + j, cnt);
-        }
-    }
-    stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
     for (int base = blockIdx.x * pairs_per_pass; base < n; base += gridDim.x * pairs_per_pass) {
         const int j0 = base + group * 2, j1 = j0 + 1;
         const int c0 = min(j0, n - 1), c1 = min(j1, n - 1);
@@ -194,7 +186,7 @@ struct DownParams {
 };
 
 #define DOWN_ROWS 2 // output rows per warp
-#define DOWN_UNITS 4 // units per row in flight per lane
+#define DOWN_UNITS 5 // units per row in flight per lane: 9 slots × 16 q4 units fit one pass of 32 lanes
 
 template <int FMT>
 __device__ __forceinline__ void down_body(const DownParams& p) {
@@ -215,17 +207,8 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
         slot_expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
         slot_weight[s] = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
     }
-    __syncthreads();
-    {   // this block's rows of every slot's down matrix to L2 while the activations load
-        const int rb = blockIdx.x * (blockDim.x >> 5) * DOWN_ROWS, cnt = min((blockDim.x >> 5) * DOWN_ROWS, p.D - rb);
-        for (int s = 0; s < nslots && cnt > 0; ++s) {
-            const int slot = p.slot_begin + s;
-            if (slot < p.A) prefetch_rows(p.experts, (i64)slot_expert[s] * p.D + rb, cnt);
-            else prefetch_rows(p.shared, rb, cnt);
-        }
-    }
     // act_stride % 32 == 0 (the launcher checks), so the flat padded layout puts slot s's row at
-    // s·pitch and its unit sums at s·upr
+    // s·pitch and its unit sums at s·upr; its closing barrier also publishes slot_expert/weight
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.act + (i64)p.slot_begin * p.act_stride, nullptr, 0.0f,
                                       nslots * p.act_stride, acts, usum, nullptr);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
@@ -268,6 +251,9 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
                 const int unit = is_routed ? f - s * units_r : f - n_routed * units_r;
                 float q[DOWN_ROWS];
                 UnitDot<FMT, DOWN_ROWS>::run(w[k], acts + s * pitch + xpad(unit * F::W), q);
+                if (FMT == FMT_Q4) // UnitDot<Q4> returned Σ (16 + q)·x
+#pragma unroll
+                    for (int i = 0; i < DOWN_ROWS; ++i) q[i] = fmaf(-Q4_OFFSET, usum[s * upr + unit], q[i]);
                 const float sw = slot_weight[s];
 #pragma unroll
                 for (int i = 0; i < DOWN_ROWS; ++i) {
@@ -295,6 +281,6 @@ MOE_KERNELS(q4, FMT_Q4)
 MOE_KERNELS(q8, FMT_Q8)
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
-static_assert(sizeof(RouterParams) == 128, "RouterParams layout differs from its Rust twin");
-static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
+static_assert(sizeof(RouterParams) == 88, "RouterParams layout differs from its Rust twin");
+static_assert(sizeof(GateUpParams) == 168, "GateUpParams layout differs from its Rust twin");
 static_assert(sizeof(DownParams) == 136, "DownParams layout differs from its Rust twin");
