@@ -13,13 +13,13 @@
 // moe_router_*:  grid ⌈E/(rows per block)⌉ (+1 block for the shared-expert gate row) × 256 threads,
 //                2 router rows per lane group; each block normalises h itself (D·4 bytes from L2)
 //                and writes its logits.
-// moe_gate_up_*: grid (⌈n/(2·groups)⌉, slots), 256 threads. Every block first does softmax + top-A
-//                over the E logits with all its threads (select_experts: each logit's rank = how many
-//                beat it) — E = 256 comparisons per thread, cheaper than the ticketed last-block
-//                selection it replaced (a fence, an atomic and a serial tail in the router: ~4 µs of
-//                every layer's chain); block (0, 0) writes the top-A list for moe_down. Then a lane
-//                group takes rows j, j+1 of its slot: gate_j, gate_j+1, up_j, up_j+1 in one rows_dot
-//                (R = 4), act[slot, j] = silu(gate_j)·up_j. No host round trip anywhere.
+// moe_gate_up_*: grid (⌈n/(2·groups)⌉, slots), 256 threads. In every block, warp 0 first does softmax +
+//                top-A over the E logits (select_experts_warp) while the other warps stage x̂ — cheaper
+//                than the ticketed last-block selection it replaced (a fence, an atomic and a serial
+//                tail in the router: ~7 µs of every layer's chain, docs/performance.md); block (0, 0)
+//                writes the top-A list for moe_down. Then a lane group takes rows j, j+1 of its slot:
+//                gate_j, gate_j+1, up_j, up_j+1 in one rows_dot (R = 4), act[slot, j] =
+//                silu(gate_j)·up_j. No host round trip anywhere.
 // moe_down_*:    grid ⌈D/16⌉, 256 threads, smem: the slots' activations (padded) and their Σ per
 //                unit; a warp takes 2 output rows r: Σ over slots and units (flattened, so I = 512
 //                still keeps 32 lanes busy), weighted per slot; h[r] += result.
@@ -81,35 +81,46 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     }
 }
 
-// Softmax + top-A of the router logits, by every block that needs it (moe_gate_up): each logit's rank
-// = how many logits beat it (ties: the lower id wins); ranks < A are the top-A in order, each written
-// by the one thread that owns it. A NaN logit is never selected. Ends with a barrier.
-//   sel_id[k], sel_p[k] = the k-th expert and its softmax probability.
-__device__ __forceinline__ void select_experts(const float* logits, int E, int A, float* sl, int* sel_id,
-                                               float* sel_p, float* red) {
+// Softmax + top-A of the router logits, by one warp of every block that needs it (moe_gate_up), while
+// the block's other warps stage x̂: top-A by repeated argmax (ties: the lowest id), each pass 8 shared
+// loads per lane and 5 shuffle steps. A NaN logit is never selected. The caller's next barrier
+// publishes sel_id[k], sel_p[k] = the k-th expert and its softmax probability.
+// (A rank count with all 256 threads — 256 dependent shared loads per thread — measured ~10 µs.)
+__device__ __forceinline__ void select_experts_warp(const float* logits, int E, int A, float* sl, int* sel_id,
+                                                    float* sel_p) {
+    const int lane = threadIdx.x & 31;
     float mx = NEG_INF;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    for (int e = lane; e < E; e += 32) {
         const float v = logits[e];
         sl[e] = v == v ? v : NEG_INF;
         mx = fmaxf(mx, sl[e]);
     }
-    mx = block_max(mx, red); // its barriers make sl visible to the block
+    mx = warp_max(mx);
     float z = 0.0f;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) z += expf(sl[e] - mx);
-    z = block_sum(z, red);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const float v = sl[e];
-        int rank = 0;
-        for (int o = 0; o < E; ++o) {
-            const float w = sl[o];
-            rank += (w > v) || (w == v && o < e);
+    for (int e = lane; e < E; e += 32) z += expf(sl[e] - mx);
+    z = warp_sum(z);
+    __syncwarp();
+    for (int k = 0; k < A; ++k) {
+        float best = NEG_INF;
+        int best_id = 0x7fffffff;
+        for (int e = lane; e < E; e += 32) {
+            const float v = sl[e];
+            if (v > best || (v == best && e < best_id)) { best = v; best_id = e; }
         }
-        if (rank < A) {
-            sel_id[rank] = e;
-            sel_p[rank] = expf(v - mx) / z; // softmax probability of the selected expert
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
+            if (ov > best || (ov == best && oi < best_id)) { best = ov; best_id = oi; }
         }
+        if (best_id >= E) best_id = 0; // fewer than A selectable logits (all NaN): any valid id
+        if (lane == 0) {
+            sel_id[k] = best_id;
+            sel_p[k] = expf(best - mx) / z; // softmax probability of the selected expert
+            sl[best_id] = NEG_INF;
+        }
+        __syncwarp();
     }
-    __syncthreads();
 }
 
 struct GateUpParams {
@@ -139,10 +150,11 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
     __shared__ float sel_p[MOE_MAX_A];
     griddep_launch_dependents();
     griddep_wait();
+    // Routing, in every block, by warp 0 while the others stage x̂ (stage_input's closing barrier
+    // publishes the selection).
+    if (p.logits && threadIdx.x < 32) select_experts_warp((const float*)p.logits, p.E, p.A, sl, sel_id, sel_p);
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
-    // Routing, in every block (256 logits: cheaper than a separate selection launch and its wait).
     if (p.logits) {
-        select_experts((const float*)p.logits, p.E, p.A, sl, sel_id, sel_p, red);
         if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
             float sel_sum = 0.0f;
             for (int k = 0; k < p.A; ++k) sel_sum += sel_p[k];
