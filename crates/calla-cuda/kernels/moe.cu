@@ -13,8 +13,8 @@
 // moe_router_*:  grid ⌈E/(rows per block)⌉ (+1 block for the shared-expert gate row) × 256 threads,
 //                2 router rows per lane group; each block normalises h itself (D·4 bytes from L2)
 //                and writes its logits.
-// moe_gate_up_*: grid (⌈n/(2·groups)⌉, slots), 256 threads. In every block, warp 0 first does softmax +
-//                top-A over the E logits (select_experts_warp) while the other warps stage x̂ — cheaper
+// moe_gate_up_*: grid (⌈n/(2·groups)⌉, slots), 256 threads. Every block first does softmax + top-A
+//                over the E logits with all its threads (select_experts), after staging x̂ — cheaper
 //                than the ticketed last-block selection it replaced (a fence, an atomic and a serial
 //                tail in the router: ~7 µs of every layer's chain, docs/performance.md); block (0, 0)
 //                writes the top-A list for moe_down. Then a lane group takes rows j, j+1 of its slot:
@@ -81,46 +81,52 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     }
 }
 
-// Softmax + top-A of the router logits, by one warp of every block that needs it (moe_gate_up), while
-// the block's other warps stage x̂: top-A by repeated argmax (ties: the lowest id), each pass 8 shared
-// loads per lane and 5 shuffle steps. A NaN logit is never selected. The caller's next barrier
-// publishes sel_id[k], sel_p[k] = the k-th expert and its softmax probability.
-// (A rank count with all 256 threads — 256 dependent shared loads per thread — measured ~10 µs.)
-__device__ __forceinline__ void select_experts_warp(const float* logits, int E, int A, float* sl, int* sel_id,
-                                                    float* sel_p) {
-    const int lane = threadIdx.x & 31;
+// Softmax + top-A of the router logits, by every block that needs it (moe_gate_up), with all its
+// threads: each logit's rank = how many logits beat it (ties: the lower id wins); ranks < A are the
+// top-A in order, each written by the one thread that owns it. The rank loop reads the logits as
+// float4 broadcasts with the compares unrolled (the first version, one dependent shared load per
+// compare, cost ~10 µs per launch; one warp doing A rounds of argmax ~7 µs). A NaN logit is never
+// selected. `lv` holds this thread's logits e = threadIdx.x + i·blockDim.x, loaded by the caller
+// before it staged x̂ so the two loads overlap. Ends with a barrier.
+//   sel_id[k], sel_p[k] = the k-th expert and its softmax probability.
+#define SEL_PER_THREAD (MOE_MAX_E / MOE_THREADS)
+__device__ __forceinline__ void select_experts(const float (&lv)[SEL_PER_THREAD], int E, int A, float4* sl4,
+                                               int* sel_id, float* sel_p, float* red) {
+    float* sl = (float*)sl4;
+    const int E4 = (E + 3) & ~3; // padded with −∞ at ids ≥ E: they lose every tie
     float mx = NEG_INF;
-    for (int e = lane; e < E; e += 32) {
-        const float v = logits[e];
-        sl[e] = v == v ? v : NEG_INF;
-        mx = fmaxf(mx, sl[e]);
-    }
-    mx = warp_max(mx);
-    float z = 0.0f;
-    for (int e = lane; e < E; e += 32) z += expf(sl[e] - mx);
-    z = warp_sum(z);
-    __syncwarp();
-    for (int k = 0; k < A; ++k) {
-        float best = NEG_INF;
-        int best_id = 0x7fffffff;
-        for (int e = lane; e < E; e += 32) {
-            const float v = sl[e];
-            if (v > best || (v == best && e < best_id)) { best = v; best_id = e; }
-        }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
-            if (ov > best || (ov == best && oi < best_id)) { best = ov; best_id = oi; }
+    for (int i = 0; i < SEL_PER_THREAD; ++i) {
+        const int e = threadIdx.x + i * blockDim.x;
+        if (e < E4) {
+            const float v = e < E && lv[i] == lv[i] ? lv[i] : NEG_INF;
+            sl[e] = v;
+            mx = fmaxf(mx, v);
         }
-        if (best_id >= E) best_id = 0; // fewer than A selectable logits (all NaN): any valid id
-        if (lane == 0) {
-            sel_id[k] = best_id;
-            sel_p[k] = expf(best - mx) / z; // softmax probability of the selected expert
-            sl[best_id] = NEG_INF;
-        }
-        __syncwarp();
     }
+    mx = block_max(mx, red); // its barriers make sl visible to the block
+    float z = 0.0f;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) z += expf(sl[e] - mx);
+    z = block_sum(z, red);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const float v = sl[e];
+        int r0 = 0, r1 = 0, r2 = 0, r3 = 0;
+#pragma unroll 8
+        for (int o4 = 0; o4 < E4 / 4; ++o4) {
+            const float4 w = sl4[o4];
+            const int o = 4 * o4;
+            r0 += (w.x > v) | ((w.x == v) & (o < e));
+            r1 += (w.y > v) | ((w.y == v) & (o + 1 < e));
+            r2 += (w.z > v) | ((w.z == v) & (o + 2 < e));
+            r3 += (w.w > v) | ((w.w == v) & (o + 3 < e));
+        }
+        const int rank = r0 + r1 + r2 + r3;
+        if (rank < A) {
+            sel_id[rank] = e;
+            sel_p[rank] = expf(v - mx) / z; // softmax probability of the selected expert
+        }
+    }
+    __syncthreads();
 }
 
 struct GateUpParams {
@@ -145,16 +151,21 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
     float* xs = (float*)smem4;
     float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
-    __shared__ float sl[MOE_MAX_E];
+    __shared__ float4 sl4[MOE_MAX_E / 4];
     __shared__ int sel_id[MOE_MAX_A];
     __shared__ float sel_p[MOE_MAX_A];
     griddep_launch_dependents();
     griddep_wait();
-    // Routing, in every block, by warp 0 while the others stage x̂ (stage_input's closing barrier
-    // publishes the selection).
-    if (p.logits && threadIdx.x < 32) select_experts_warp((const float*)p.logits, p.E, p.A, sl, sel_id, sel_p);
+    // Routing, in every block: the logits are loaded first so their round trip overlaps x̂'s.
+    float lv[SEL_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < SEL_PER_THREAD; ++i) {
+        const int e = threadIdx.x + i * blockDim.x;
+        lv[i] = p.logits && e < p.E ? ((const float*)p.logits)[e] : NEG_INF;
+    }
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
     if (p.logits) {
+        select_experts(lv, p.E, p.A, sl4, sel_id, sel_p, red);
         if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
             float sel_sum = 0.0f;
             for (int k = 0; k < p.A; ++k) sel_sum += sel_p[k];
