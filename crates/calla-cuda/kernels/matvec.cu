@@ -102,8 +102,13 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     }
 }
 
+// Blocks per SM the _r4 kernels are compiled for: 3 caps them at 85 registers (with a few spills) so
+// an in-projection's 385 blocks run in one wave instead of two (measured in docs/performance.md).
+#ifndef MATVEC_R4_MIN_BLOCKS
+#define MATVEC_R4_MIN_BLOCKS 1
+#endif
 #define MATVEC_KERNEL(name, FMT) \
-    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) name##_r4(const MatvecParams p) { matvec_body<FMT, 4, 2>(p); } \
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS, MATVEC_R4_MIN_BLOCKS) name##_r4(const MatvecParams p) { matvec_body<FMT, 4, 2>(p); } \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) name##_r2(const MatvecParams p) { matvec_body<FMT, 2, 4>(p); }
 MATVEC_KERNEL(matvec_f32, FMT_F32)
 MATVEC_KERNEL(matvec_bf16, FMT_BF16)

@@ -11,15 +11,12 @@
 // All three use the dot-product engine of common.cuh (rows_dot: R rows share each x̂ read, R·U
 // 16-byte weight loads in flight per lane, Σx̂ per unit precomputed for the affine bias term).
 // moe_router_*:  grid ⌈E/(rows per block)⌉ (+1 block for the shared-expert gate row) × 256 threads,
-//                2 router rows per lane group; each block normalises h itself (D·4 bytes from L2)
-//                and writes its logits.
-// moe_gate_up_*: grid (⌈n/(2·groups)⌉, slots), 256 threads. Every block first does softmax + top-A
-//                over the E logits with all its threads (select_experts), after staging x̂ — cheaper
-//                than the ticketed last-block selection it replaced (a fence, an atomic and a serial
-//                tail in the router: ~7 µs of every layer's chain, docs/performance.md); block (0, 0)
-//                writes the top-A list for moe_down. Then a lane group takes rows j, j+1 of its slot:
-//                gate_j, gate_j+1, up_j, up_j+1 in one rows_dot (R = 4), act[slot, j] =
-//                silu(gate_j)·up_j. No host round trip anywhere.
+//                2 router rows per lane group; each block normalises h itself (D·4 bytes from L2).
+//                The last block to finish (atomic ticket) does softmax + top-A with all its threads
+//                (select_experts) and resets the ticket: no host round trip.
+// moe_gate_up_*: grid (⌈n/(2·groups)⌉, slots), 256 threads; a lane group takes rows j, j+1 of one
+//                slot: gate_j, gate_j+1, up_j, up_j+1 in one rows_dot (R = 4), then
+//                act[slot, j] = silu(gate_j)·up_j. Expert ids are read from the device top-A list.
 // moe_down_*:    grid ⌈D/16⌉, 256 threads, smem: the slots' activations (padded) and their Σ per
 //                unit; a warp takes 2 output rows r: Σ over slots and units (flattened, so I = 512
 //                still keeps 32 lanes busy), weighted per slot; h[r] += result.
@@ -36,58 +33,20 @@ struct RouterParams {
     MatrixRef router;// [E, D]
     u64 shared_gate; // [D] f32, or 0
     u64 xn;          // out [D]: x̂ for the expert kernels
-    u64 logits;      // out [E + 1]: router logits, then the shared-expert gate's
-    int D, E, group_size;
+    u64 logits;      // scratch [E + 1]: router logits, then the shared-expert gate's
+    u64 topk_ids;    // out [A] i32
+    u64 topk_w;      // out [A] f32
+    u64 shared_w;    // out [1] f32: sigmoid(shared gate logit), 1 without a gate
+    u64 counter;     // u32 ticket, 0 between launches
+    int D, E, A, norm_topk, group_size;
     float eps;
 };
 
-template <int FMT>
-__device__ __forceinline__ void router_body(const RouterParams& p) {
-    typedef Fmt<FMT> F;
-    extern __shared__ float4 smem4[];
-    float* xs = (float*)smem4;
-    float* usum = xs + xpad_len(p.D);
-    __shared__ float red[32];
-    const int units = p.D / F::W, width = lanes_per_row(units);
-    const int group = threadIdx.x / width, lane = threadIdx.x % width;
-    const int rows_per_block = blockDim.x / width * ROUTER_ROWS;
-    const bool gate_block = p.shared_gate && blockIdx.x == gridDim.x - 1;
-    griddep_launch_dependents();
-    griddep_wait();
-    stage_input<F::AFFINE ? F::W : 0>((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
-    float* logits = (float*)p.logits;
-    if (blockIdx.x == 0)
-        for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
-    if (!gate_block) {
-        const int row0 = blockIdx.x * rows_per_block + group * ROUTER_ROWS;
-        RowPtr rows[ROUTER_ROWS];
-#pragma unroll
-        for (int i = 0; i < ROUTER_ROWS; ++i) rows[i] = row_ptr(p.router, min(row0 + i, p.E - 1));
-        float acc[ROUTER_ROWS] = {};
-        if (row0 < p.E) // uniform across the lane group
-            rows_dot<FMT, ROUTER_ROWS, 4>(rows, xs, usum, units, lane, width,
-                                          F::AFFINE ? p.group_size / F::W : 1, acc);
-#pragma unroll
-        for (int i = 0; i < ROUTER_ROWS; ++i) {
-            const float v = group_sum(acc[i], width);
-            if (lane == 0 && row0 + i < p.E) logits[row0 + i] = v;
-        }
-    } else if (threadIdx.x < 32) { // the shared-expert gate row (f32), one warp
-        const float* sg = (const float*)p.shared_gate;
-        float acc = 0.0f;
-        for (int i = threadIdx.x; i < p.D; i += 32) acc = fmaf(sg[i], xs[xpad(i)], acc);
-        acc = warp_sum(acc);
-        if (threadIdx.x == 0) logits[p.E] = acc;
-    }
-}
-
-// Softmax + top-A of the router logits, by every block that needs it (moe_gate_up), with all its
-// threads: each logit's rank = how many logits beat it (ties: the lower id wins); ranks < A are the
+// Softmax + top-A of the router logits, by the router's last block, with all its threads: each logit's rank = how many logits beat it (ties: the lower id wins); ranks < A are the
 // top-A in order, each written by the one thread that owns it. The rank loop reads the logits as
 // float4 broadcasts with the compares unrolled (the first version, one dependent shared load per
 // compare, cost ~10 µs per launch; one warp doing A rounds of argmax ~7 µs). A NaN logit is never
-// selected. `lv` holds this thread's logits e = threadIdx.x + i·blockDim.x, loaded by the caller
-// before it staged x̂ so the two loads overlap. Ends with a barrier.
+// selected. `lv` holds this thread's logits e = threadIdx.x + i·blockDim.x. Ends with a barrier.
 //   sel_id[k], sel_p[k] = the k-th expert and its softmax probability.
 #define SEL_PER_THREAD (MOE_MAX_E / MOE_THREADS)
 __device__ __forceinline__ void select_experts(const float (&lv)[SEL_PER_THREAD], int E, int A, float4* sl4,
@@ -129,19 +88,84 @@ __device__ __forceinline__ void select_experts(const float (&lv)[SEL_PER_THREAD]
     __syncthreads();
 }
 
+template <int FMT>
+__device__ __forceinline__ void router_body(const RouterParams& p) {
+    typedef Fmt<FMT> F;
+    extern __shared__ float4 smem4[];
+    float* xs = (float*)smem4;
+    float* usum = xs + xpad_len(p.D);
+    __shared__ float red[32];
+    const int units = p.D / F::W, width = lanes_per_row(units);
+    const int group = threadIdx.x / width, lane = threadIdx.x % width;
+    const int rows_per_block = blockDim.x / width * ROUTER_ROWS;
+    const bool gate_block = p.shared_gate && blockIdx.x == gridDim.x - 1;
+    griddep_launch_dependents();
+    griddep_wait();
+    stage_input<F::AFFINE ? F::W : 0>((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
+    float* logits = (float*)p.logits;
+    if (blockIdx.x == 0)
+        for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
+    if (!gate_block) {
+        const int row0 = blockIdx.x * rows_per_block + group * ROUTER_ROWS;
+        RowPtr rows[ROUTER_ROWS];
+#pragma unroll
+        for (int i = 0; i < ROUTER_ROWS; ++i) rows[i] = row_ptr(p.router, min(row0 + i, p.E - 1));
+        float acc[ROUTER_ROWS] = {};
+        if (row0 < p.E) // uniform across the lane group
+            rows_dot<FMT, ROUTER_ROWS, 4>(rows, xs, usum, units, lane, width,
+                                          F::AFFINE ? p.group_size / F::W : 1, acc);
+#pragma unroll
+        for (int i = 0; i < ROUTER_ROWS; ++i) {
+            const float v = group_sum(acc[i], width);
+            if (lane == 0 && row0 + i < p.E) logits[row0 + i] = v;
+        }
+    } else if (threadIdx.x < 32) { // the shared-expert gate row (f32), one warp
+        const float* sg = (const float*)p.shared_gate;
+        float acc = 0.0f;
+        for (int i = threadIdx.x; i < p.D; i += 32) acc = fmaf(sg[i], xs[xpad(i)], acc);
+        acc = warp_sum(acc);
+        if (threadIdx.x == 0) logits[p.E] = acc;
+    }
+    // The last block to finish selects (one block of 256 threads: ~1 µs; done in every gate/up block
+    // instead it cost ~7 µs per launch, measured).
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    __shared__ float4 sl4[MOE_MAX_E / 4];
+    __shared__ int sel_id[MOE_MAX_A];
+    __shared__ float sel_p[MOE_MAX_A];
+    float lv[SEL_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < SEL_PER_THREAD; ++i) {
+        const int e = threadIdx.x + i * blockDim.x;
+        lv[i] = e < p.E ? ((volatile float*)logits)[e] : NEG_INF;
+    }
+    select_experts(lv, p.E, p.A, sl4, sel_id, sel_p, red);
+    if (threadIdx.x == 0) {
+        float sel_sum = 0.0f;
+        for (int k = 0; k < p.A; ++k) sel_sum += sel_p[k];
+        for (int k = 0; k < p.A; ++k) {
+            ((int*)p.topk_ids)[k] = sel_id[k];
+            ((float*)p.topk_w)[k] = p.norm_topk ? sel_p[k] / sel_sum : sel_p[k];
+        }
+        *(float*)p.shared_w = p.shared_gate ? sigmoid_f(((volatile float*)logits)[p.E]) : 1.0f;
+        *(u32*)p.counter = 0u;
+    }
+}
+
 struct GateUpParams {
     u64 x;             // [D] x̂ (or h when norm_gain is set)
     u64 norm_gain;     // [D] or 0: normalise x in the prologue (dense MLP path)
     MatrixRef experts; // [E·2I, D]: expert e's gate rows at e·2I, up rows at e·2I + I
     MatrixRef shared;  // [2Is, D]: gate rows then up rows
-    u64 logits;        // [E + 1] router logits (+ the shared gate's), or 0: no routed slots here
-    u64 topk_ids;      // out [A] i32, written by block (0, 0) for moe_down
-    u64 topk_w;        // out [A] f32
-    u64 shared_w;      // out [1] f32: sigmoid(shared gate logit), 1 without a gate
+    u64 topk_ids;      // [A]
     u64 act;           // out [slots, act_stride]
-    int D, I, Is, A, E, norm_topk, has_shared_gate, group_size, act_stride, slot_offset;
+    int D, I, Is, A, group_size, act_stride, slot_offset;
     float eps;
-    int pad;
 };
 
 template <int FMT>
@@ -151,36 +175,14 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
     float* xs = (float*)smem4;
     float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
-    __shared__ float4 sl4[MOE_MAX_E / 4];
-    __shared__ int sel_id[MOE_MAX_A];
-    __shared__ float sel_p[MOE_MAX_A];
     griddep_launch_dependents();
     griddep_wait();
-    // Routing, in every block: the logits are loaded first so their round trip overlaps x̂'s.
-    float lv[SEL_PER_THREAD];
-#pragma unroll
-    for (int i = 0; i < SEL_PER_THREAD; ++i) {
-        const int e = threadIdx.x + i * blockDim.x;
-        lv[i] = p.logits && e < p.E ? ((const float*)p.logits)[e] : NEG_INF;
-    }
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
-    if (p.logits) {
-        select_experts(lv, p.E, p.A, sl4, sel_id, sel_p, red);
-        if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-            float sel_sum = 0.0f;
-            for (int k = 0; k < p.A; ++k) sel_sum += sel_p[k];
-            for (int k = 0; k < p.A; ++k) {
-                ((int*)p.topk_ids)[k] = sel_id[k];
-                ((float*)p.topk_w)[k] = p.norm_topk ? sel_p[k] / sel_sum : sel_p[k];
-            }
-            *(float*)p.shared_w = p.has_shared_gate ? sigmoid_f(((const float*)p.logits)[p.E]) : 1.0f;
-        }
-    }
     const int slot = blockIdx.y + p.slot_offset;
     const bool routed = slot < p.A;
     const int n = routed ? p.I : p.Is;
     const MatrixRef m = routed ? p.experts : p.shared; // by value: stays in registers
-    const i64 row0 = routed ? (i64)sel_id[slot] * 2 * p.I : 0;
+    const i64 row0 = routed ? (i64)((const int*)p.topk_ids)[slot] * 2 * p.I : 0;
     const int units = p.D / F::W, width = lanes_per_row(units);
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
     const int pairs_per_pass = blockDim.x / width * 2;
@@ -293,9 +295,14 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
     }
 }
 
+// Blocks per SM gate/up is compiled for: 3 caps it at 85 registers so the 9 slots' 288 blocks fit one
+// wave (2 per SM leave 24 for a second wave).
+#ifndef MOE_GATE_UP_MIN_BLOCKS
+#define MOE_GATE_UP_MIN_BLOCKS 1
+#endif
 #define MOE_KERNELS(suffix, FMT) \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_router_##suffix(const RouterParams p) { router_body<FMT>(p); } \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_gate_up_##suffix(const GateUpParams p) { gate_up_body<FMT>(p); } \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_GATE_UP_MIN_BLOCKS) moe_gate_up_##suffix(const GateUpParams p) { gate_up_body<FMT>(p); } \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_down_##suffix(const DownParams p) { down_body<FMT>(p); }
 MOE_KERNELS(f32, FMT_F32)
 MOE_KERNELS(bf16, FMT_BF16)
@@ -304,6 +311,6 @@ MOE_KERNELS(q4, FMT_Q4)
 MOE_KERNELS(q8, FMT_Q8)
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
-static_assert(sizeof(RouterParams) == 88, "RouterParams layout differs from its Rust twin");
-static_assert(sizeof(GateUpParams) == 168, "GateUpParams layout differs from its Rust twin");
+static_assert(sizeof(RouterParams) == 128, "RouterParams layout differs from its Rust twin");
+static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
 static_assert(sizeof(DownParams) == 136, "DownParams layout differs from its Rust twin");

@@ -23,8 +23,14 @@ pub struct RouterParams {
     pub shared_gate: u64,
     pub xn: u64,
     pub logits: u64,
+    pub topk_ids: u64,
+    pub topk_w: u64,
+    pub shared_w: u64,
+    pub counter: u64,
     pub d: i32,
     pub e: i32,
+    pub a: i32,
+    pub norm_topk: i32,
     pub group_size: i32,
     pub eps: f32,
 }
@@ -36,23 +42,16 @@ pub struct GateUpParams {
     pub norm_gain: u64,
     pub experts: MatrixRef,
     pub shared: MatrixRef,
-    pub logits: u64,
     pub topk_ids: u64,
-    pub topk_w: u64,
-    pub shared_w: u64,
     pub act: u64,
     pub d: i32,
     pub i: i32,
     pub is: i32,
     pub a: i32,
-    pub e: i32,
-    pub norm_topk: i32,
-    pub has_shared_gate: i32,
     pub group_size: i32,
     pub act_stride: i32,
     pub slot_offset: i32,
     pub eps: f32,
-    pub pad: i32,
 }
 
 #[repr(C)]
@@ -82,13 +81,14 @@ pub struct MoeIo {
     /// post-attention norm gain [D]
     pub norm_gain: DPtr,
     pub eps: f32,
-    /// scratch: x̂ [D], logits [E + 1], top ids [A] i32, weights [A], shared weight [1],
+    /// scratch: x̂ [D], logits [E + 1], top ids [A] i32, weights [A], shared weight [1], ticket u32,
     /// act [A + 1, act_stride]
     pub xn: DPtr,
     pub logits: DPtr,
     pub topk_ids: DPtr,
     pub topk_w: DPtr,
     pub shared_w: DPtr,
+    pub counter: DPtr,
     pub act: DPtr,
     pub act_stride: usize,
     /// a device 1.0 (the dense MLP's slot weight)
@@ -109,14 +109,6 @@ pub struct MoeWeightsRef<'a> {
     pub shared_gate: Option<DPtr>,
 }
 
-/// What the gate/up launch that holds the routed slots needs to select the experts itself.
-#[derive(Clone, Copy)]
-struct Routing {
-    experts: usize,
-    norm_topk: bool,
-    shared_gate: bool,
-}
-
 fn gate_up_launch(
     gpu: &Gpu,
     io: &MoeIo,
@@ -125,7 +117,6 @@ fn gate_up_launch(
     routed: Option<(&DevMatrix, usize, usize)>,
     shared: Option<&DevMatrix>,
     slots: (usize, usize),
-    routing: Option<Routing>,
 ) -> Result<Launch> {
     let fmt = routed.map(|r| r.0).or(shared).expect("a slot").format;
     let cols = routed
@@ -144,18 +135,12 @@ fn gate_up_launch(
         norm_gain: if norm { io.norm_gain.0 } else { 0 },
         experts: routed.map(|r| r.0.kref()).unwrap_or_default(),
         shared: shared.map(|s| s.kref()).unwrap_or_default(),
-        logits: routing.map(|_| io.logits.0).unwrap_or(0),
         topk_ids: io.topk_ids.0,
-        topk_w: io.topk_w.0,
-        shared_w: io.shared_w.0,
         act: io.act.0,
         d: d as i32,
         i: i as i32,
         is: is as i32,
         a: a as i32,
-        e: routing.map(|r| r.experts).unwrap_or(0) as i32,
-        norm_topk: routing.is_some_and(|r| r.norm_topk) as i32,
-        has_shared_gate: routing.is_some_and(|r| r.shared_gate) as i32,
         group_size: routed
             .map(|r| r.0)
             .or(shared)
@@ -164,7 +149,6 @@ fn gate_up_launch(
         act_stride: io.act_stride as i32,
         slot_offset: slots.0 as i32,
         eps: io.eps,
-        pad: 0,
     };
     let width = crate::matvec::lanes_per_row(d / fmt.per_unit());
     // a lane group takes two (gate, up) row pairs
@@ -251,16 +235,17 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
         shared_gate: w.shared_gate.map(|g| g.0).unwrap_or(0),
         xn: io.xn.0,
         logits: io.logits.0,
+        topk_ids: io.topk_ids.0,
+        topk_w: io.topk_w.0,
+        shared_w: io.shared_w.0,
+        counter: io.counter.0,
         d: d as i32,
         e: e as i32,
+        a: a as i32,
+        norm_topk: w.norm_topk as i32,
         group_size: w.router.group_size.max(1) as i32,
         eps: io.eps,
     };
-    let routing = Some(Routing {
-        experts: e,
-        norm_topk: w.norm_topk,
-        shared_gate: w.shared_gate.is_some(),
-    });
     let width = crate::matvec::lanes_per_row(d / w.router.format.per_unit());
     let rows_per_block = THREADS as usize / width * ROUTER_ROWS;
     // one more block computes the shared-expert gate row
@@ -287,8 +272,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
                 Some((w.gate_up, i, a)),
                 Some(sgu),
                 (0, a + 1),
-                routing,
-            )?);
+)?);
         }
         (Some((sgu, _)), _) => {
             launches.push(gate_up_launch(
@@ -299,8 +283,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
                 Some((w.gate_up, i, a)),
                 None,
                 (0, a),
-                routing,
-            )?);
+)?);
             launches.push(gate_up_launch(
                 gpu,
                 io,
@@ -309,8 +292,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
                 None,
                 Some(sgu),
                 (a, a + 1),
-                None,
-            )?);
+)?);
         }
         (None, _) => launches.push(gate_up_launch(
             gpu,
@@ -320,8 +302,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
             Some((w.gate_up, i, a)),
             None,
             (0, a),
-            routing,
-        )?),
+)?),
     }
     match (w.shared, same) {
         (Some((_, sdn)), Some(true)) => {
@@ -358,7 +339,7 @@ pub fn dense_mlp(
     io: &MoeIo,
 ) -> Result<Vec<Launch>> {
     Ok(vec![
-        gate_up_launch(gpu, io, io.h, true, None, Some(gate_up), (0, 1), None)?,
+        gate_up_launch(gpu, io, io.h, true, None, Some(gate_up), (0, 1))?,
         down_launch(gpu, io, None, Some((down, io.one)), 0, (0, 1))?,
     ])
 }
