@@ -22,7 +22,7 @@ use calla_cuda::KvDtype;
 use calla_model::load::{load_model, LoadOptions, Quant};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::device::PromptPrecision;
+use crate::device::{PromptPrecision, PROMPT_PRECISION_HELP};
 
 /// `--kv-cache` when not given: the engine's default.
 fn default_kv_cache() -> &'static str {
@@ -71,9 +71,7 @@ pub struct Args {
     /// K/V cache element type: f32 or bf16 (default: the engine's, calla_cuda DEFAULT_KV_CACHE).
     #[arg(long, default_value = default_kv_cache())]
     kv_cache: String,
-    /// Precision of the batched prompt products: split (≈ f32, the engine's default), fast (bf16),
-    /// auto (by weight format: fast for q4/bf16).
-    #[arg(long, value_enum, default_value_t = PromptPrecision::Split)]
+    #[arg(long, env = calla_cuda::prompt_precision::ENV, default_value = "split", help = PROMPT_PRECISION_HELP)]
     prompt_precision: PromptPrecision,
     /// Prompt tokens per batched prefill chunk (0: token by token through the decode graph).
     #[arg(long, default_value_t = calla_cuda::CudaOptions::default().prompt_chunk)]
@@ -101,7 +99,7 @@ pub fn run(args: Args) -> Result<()> {
         kv_cache,
         seed: 0x00CA_11A0,
         profile: args.profile,
-        prompt_precision: args.prompt_precision.to_cuda(),
+        prompt_precision: args.prompt_precision,
         prompt_chunk: args.prompt_chunk,
     };
     let bars = Bars::new(!args.json);
@@ -354,6 +352,31 @@ mod tests {
         let a = parse(&["--synthetic", "tiny", "--quant", "bf16"]).expect("parses");
         assert_eq!(a.quant, Some(Quant::Bf16));
         assert!(parse(&["--quant", "q3"]).is_err());
+    }
+
+    #[test]
+    fn prompt_precision_takes_presets_and_group_overrides() {
+        let a = parse(&["--prompt-precision", "mixed"]).expect("parses");
+        assert_eq!(a.prompt_precision, PromptPrecision::MIXED);
+        let a = parse(&["--prompt-precision", "mixed,shared=auto"]).expect("parses");
+        assert_eq!(a.prompt_precision, PromptPrecision::FFN);
+        let a = parse(&["--prompt-precision", "mixed,experts=fast"]).expect("parses");
+        assert_eq!(
+            a.prompt_precision.expert_down,
+            Some(calla_cuda::gemm::Precision::Fast)
+        );
+        let a = parse(&["--prompt-precision", "experts-up"]).expect("parses");
+        assert_eq!(a.prompt_precision, PromptPrecision::EXPERTS_UP);
+        let err = parse(&["--prompt-precision", "mixd"])
+            .err()
+            .expect("rejected");
+        assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
+        assert!(err.to_string().contains("mixed"), "{err}");
+        // without the flag: split, unless CALLA_PROMPT_PRECISION says otherwise
+        if std::env::var_os(calla_cuda::prompt_precision::ENV).is_none() {
+            let a = parse(&[]).expect("parses");
+            assert_eq!(a.prompt_precision, PromptPrecision::SPLIT);
+        }
     }
 
     #[test]

@@ -12,28 +12,20 @@ pub enum Device {
     Cuda,
 }
 
-/// Precision of the CUDA engine's batched prompt products (`--prompt-precision`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum PromptPrecision {
-    /// By each weight matrix's format: split for f32/f16 weights, fast for bf16 and quantised.
-    Auto,
-    /// bf16 activations × bf16 weights, f32 accumulation (~2× faster prompts; log-probabilities
-    /// off by up to ~4e-2 at the real shape).
-    Fast,
-    /// ≈ f32 (bf16 hi + lo splits of both operands; 3× the tensor-core work): the default.
-    #[default]
-    Split,
-}
+/// Precision of the CUDA engine's batched prompt products (`--prompt-precision`, or the
+/// CALLA_PROMPT_PRECISION environment variable): calla_cuda::prompt_precision's policy, parsed
+/// from a preset name or a list of group overrides.
+pub use calla_cuda::PromptPrecision;
 
-impl PromptPrecision {
-    pub fn to_cuda(self) -> Option<calla_cuda::gemm::Precision> {
-        match self {
-            PromptPrecision::Auto => None,
-            PromptPrecision::Fast => Some(calla_cuda::gemm::Precision::Fast),
-            PromptPrecision::Split => Some(calla_cuda::gemm::Precision::Split),
-        }
-    }
-}
+/// Help of `--prompt-precision` (generate, serve, chat, bench).
+pub const PROMPT_PRECISION_HELP: &str =
+    "CUDA: precision of the batched prompt (prefill) products: \
+split (≈ f32, default), fast (bf16 activations everywhere), auto (by weight format: fast for \
+bf16/quantised, split for f32/f16), mixed (routed experts auto, the rest split), experts-up / \
+experts-down (only that routed product auto), ffn (routed + shared experts auto); or presets and \
+GROUP=fast|split|auto overrides, comma-separated, GROUP one of mixer-in, mixer-out, mixer, \
+experts-gate-up, experts-down, experts, shared (e.g. mixed,shared=auto). The MoE router is always \
+split";
 
 /// K/V cache element type of the CUDA engine (`--kv-cache`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -57,8 +49,7 @@ impl KvCache {
 /// Options of the CUDA engine (ignored with `--device cpu`).
 #[derive(Debug, Clone, Copy, Default, clap::Args)]
 pub struct CudaFlags {
-    /// CUDA: precision of the batched prompt (prefill) products: split (≈ f32), fast (bf16), auto (by weight format).
-    #[arg(long, value_enum, default_value_t = PromptPrecision::Split)]
+    #[arg(long, env = calla_cuda::prompt_precision::ENV, default_value = "split", help = PROMPT_PRECISION_HELP)]
     pub prompt_precision: PromptPrecision,
     /// CUDA: K/V cache element type: f32 or bf16.
     #[arg(long, value_enum, default_value_t = KvCache::F32)]
@@ -80,7 +71,7 @@ pub fn open_backend(
             use std::io::IsTerminal;
             let opts = calla_cuda::CudaOptions {
                 progress: std::io::stderr().is_terminal(),
-                prompt_precision: cuda.prompt_precision.to_cuda(),
+                prompt_precision: cuda.prompt_precision,
                 kv_cache: cuda.kv_cache.to_cuda(),
                 ..Default::default()
             };

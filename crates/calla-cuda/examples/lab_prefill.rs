@@ -3,7 +3,7 @@
 //! T tokens (default 8192) with CUDA events (median of 5 after a warm-up), prints µs, TFLOP/s and
 //! the whole-model estimate (30 DeltaNet + 10 attention layers, each with its MoE block).
 //!
-//!   cargo run --release -p calla-cuda --example lab_prefill -- [T]
+//!   [CALLA_PROMPT_PRECISION=mixed] cargo run --release -p calla-cuda --example lab_prefill -- [T]
 //!
 //! Ceilings (H200, measured in this workplace): ~790 TFLOP/s dense bf16, ~4.3 TB/s copy.
 //!
@@ -125,7 +125,14 @@ fn main() {
     );
     let mut rng = Rng::new(1);
     let h = upload_f32(&mut arena, &rng.normal_vec(t * d, 1.0));
-    let opts = PrefillOptions::default();
+    // CALLA_PROMPT_PRECISION picks the per-product policy (e.g. mixed); default: by weight format
+    // (fast for these q4 weights; the router is split either way)
+    let opts = PrefillOptions {
+        precision: calla_cuda::PromptPrecision::from_env()
+            .expect("CALLA_PROMPT_PRECISION")
+            .unwrap_or(calla_cuda::PromptPrecision::AUTO),
+    };
+    println!("prompt precision: {}", opts.precision);
     let tf = t as f64;
 
     // DeltaNet mixer

@@ -18,11 +18,11 @@ use calla_model::{ModelSpec, Weights};
 use crate::attention::{self, KvDtype};
 use crate::deltanet;
 use crate::forward::{self, Scratch, StateLayout};
-use crate::gemm::Precision;
 use crate::gpu::{Gpu, Launch};
 use crate::graph::StepGraph;
 use crate::pool::{Arena, DEFAULT_BLOCK};
 use crate::prefill;
+use crate::prompt_precision::PromptPrecision;
 use crate::select::Selector;
 use crate::sequence::{CudaSequence, FailedSnapshot};
 use crate::weights::{self, DevModel};
@@ -55,13 +55,17 @@ pub struct CudaOptions {
     /// real shape (+ 67 MB of residual rows), 2.9 GB before plans.
     pub prompt_chunk: usize,
     /// Precision of the batched prompt's weight products (and of flash attention over an f32
-    /// cache): Split (≈ f32, the default: prompts agree with the f32 decode path and the CPU
-    /// reference to the parity tolerance) or Fast (bf16 activations: ~2× faster prompts, but at the
-    /// real shape its log-probabilities miss the 2e-2 parity tolerance: docs/performance.md,
-    /// "Prefill optimisations").
-    /// None: by each matrix's format (split for f32/f16 weights, fast for bf16 and quantised).
-    /// The MoE router always runs split.
-    pub prompt_precision: Option<Precision>,
+    /// cache), per product group (prompt_precision.rs): split everywhere (≈ f32, the default:
+    /// prompts agree with the f32 decode path and the CPU reference to the parity tolerance), fast
+    /// everywhere (bf16 activations: ~1.8× faster prompts, but at the real shape its
+    /// log-probabilities miss the 2e-2 parity tolerance: docs/performance.md, "Prefill
+    /// optimisations"), or between, e.g. `PromptPrecision::MIXED` (routed experts fast).
+    /// The MoE router always runs split. `Default` reads [`prompt_precision::ENV`]
+    /// (`CALLA_PROMPT_PRECISION=mixed`: how the parity script tests a policy); an unparsable value
+    /// makes [`CudaBackend::new`] fail.
+    ///
+    /// [`prompt_precision::ENV`]: crate::prompt_precision::ENV
+    pub prompt_precision: PromptPrecision,
 }
 
 impl Default for CudaOptions {
@@ -73,7 +77,10 @@ impl Default for CudaOptions {
             use_graphs: true,
             progress: false,
             prompt_chunk: 8192,
-            prompt_precision: Some(Precision::Split),
+            prompt_precision: PromptPrecision::from_env()
+                .ok()
+                .flatten()
+                .unwrap_or_default(),
         }
     }
 }
@@ -133,7 +140,7 @@ pub struct CudaBackend {
     cursor_mirror: Option<Cursor>,
     pub report: CudaLoadReport,
     pub(crate) prompt_chunk: usize,
-    pub(crate) prompt_precision: Option<Precision>,
+    pub(crate) prompt_precision: PromptPrecision,
     /// the batched prompt path (with its own arena), made on the first prompt (prefill.rs)
     pub(crate) prompt: Option<prefill::PromptPath>,
     // Arenas last: dropped after everything that points into them.
@@ -144,6 +151,8 @@ pub struct CudaBackend {
 impl CudaBackend {
     /// Upload `weights` (any mix of f32/bf16/f16/q4/q8 matrices) and prepare the engine.
     pub fn new(spec: &ModelSpec, weights: &Weights, opts: &CudaOptions) -> Result<CudaBackend> {
+        // a misspelt CALLA_PROMPT_PRECISION fails here instead of silently running split
+        PromptPrecision::from_env()?;
         let gpu = Gpu::new(opts.device)?;
         deltanet::check_dims(spec)?;
         attention::check_dims(spec)?;
@@ -176,6 +185,11 @@ impl CudaBackend {
         weights_arena: Arena,
         opts: &CudaOptions,
     ) -> Result<CudaBackend> {
+        PromptPrecision::from_env()?;
+        tracing::info!(
+            "cuda: prompt precision {} (router split)",
+            opts.prompt_precision
+        );
         let max_ctx = opts
             .max_context
             .unwrap_or(spec.max_position_embeddings.min(32768))

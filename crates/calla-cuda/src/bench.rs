@@ -80,15 +80,16 @@ pub struct BenchOptions {
     pub seed: u64,
     /// Also time each kernel of the decode step on its own (at the last context).
     pub profile: bool,
-    /// CudaOptions::prompt_precision (None: by weight format) and prompt_chunk.
-    pub prompt_precision: Option<crate::gemm::Precision>,
+    /// CudaOptions::prompt_precision (per product group: prompt_precision.rs) and prompt_chunk.
+    pub prompt_precision: crate::PromptPrecision,
     pub prompt_chunk: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct PrefillResult {
     pub tokens: usize,
-    /// prompt precision ("auto", "fast", "split") and tokens per prefill chunk
+    /// prompt precision (a preset name: "split", "fast", "mixed", …, or every group spelled out)
+    /// and tokens per prefill chunk
     pub precision: String,
     pub chunk: usize,
     /// median over rounds: the prompt step including the first token's selection (= TTFT)
@@ -548,10 +549,7 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         memory,
         prefill: PrefillResult {
             tokens: opts.prompt_len,
-            precision: match opts.prompt_precision {
-                None => "auto".to_string(),
-                Some(p) => format!("{p:?}").to_lowercase(),
-            },
+            precision: opts.prompt_precision.to_string(),
             chunk: opts.prompt_chunk,
             ttft_ms: ttft_s * 1e3,
             tokens_per_s: opts.prompt_len as f64 / ttft_s,
@@ -607,7 +605,7 @@ mod tests {
             kv_cache: KvDtype::F32,
             seed: 1,
             profile: false,
-            prompt_precision: None,
+            prompt_precision: crate::PromptPrecision::AUTO,
             prompt_chunk: 8192,
         };
         assert_eq!(context_capacity(&opts), 131072 + 64 + 8 + 8);

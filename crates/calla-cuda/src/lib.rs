@@ -23,8 +23,10 @@ pub mod deltanet_prefill;
 pub mod gemm;
 pub mod moe_prefill;
 pub mod prefill_layer;
+pub mod prompt_precision;
 
 pub use attention::KvDtype;
 pub use backend::{CudaBackend, CudaLoadReport, CudaOptions};
+pub use prompt_precision::PromptPrecision;
 pub mod bench;
 pub mod synthetic;

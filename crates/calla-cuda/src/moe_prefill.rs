@@ -9,9 +9,10 @@
 use anyhow::{ensure, Result};
 use calla_model::{FeedForwardSpec, ModelSpec};
 
-use crate::gemm::{self, Gemm, GemmOut, Grouped, Planes, Precision};
+use crate::gemm::{self, Gemm, GemmOut, Grouped, Planes};
 use crate::gpu::{DPtr, Gpu, Launch};
 use crate::pool::{Region, ScratchPlan, ALWAYS};
+use crate::prompt_precision::{Product, PromptPrecision};
 use crate::weights::{DevMlp, DevMoe};
 
 pub const MAX_EXPERTS: usize = 1024;
@@ -197,7 +198,10 @@ struct CombineParams {
 
 /// `h += MoE(x̂)` for T tokens. `xn` is x̂ = rmsnorm₀(h)·(1 + post_attention_layernorm) as planes
 /// `[T, D]` with the lo plane (the router always runs in split precision: routing must agree with
-/// the f32 reference). `precision` applies to the expert products (None: by the weights' format).
+/// the f32 reference). `policy` chooses the routed gate/up, routed down and shared expert products'
+/// precisions independently: the gate/up output planes carry the lo plane exactly when the down
+/// product reads it (split), whatever the gate/up's own precision, so every combination is
+/// consistent.
 #[allow(clippy::too_many_arguments)]
 pub fn prefill_moe(
     gpu: &Gpu,
@@ -207,7 +211,7 @@ pub fn prefill_moe(
     h: DPtr,
     t: usize,
     s: &MoePrefillScratch,
-    precision: Option<Precision>,
+    policy: &PromptPrecision,
 ) -> Result<Vec<Launch>> {
     let (e, a, i, is, norm_topk) = moe_dims(spec)
         .ok_or_else(|| anyhow::anyhow!("prefill_moe: the spec has a dense feed-forward"))?;
@@ -226,7 +230,8 @@ pub fn prefill_moe(
     );
     let slots = t * a;
     let tiles = max_tiles(t, e, a);
-    let prec = precision.unwrap_or_else(|| Precision::for_format(w.gate_up.format));
+    let up_prec = policy.resolve(Product::ExpertGateUp, w.gate_up.format);
+    let down_prec = policy.resolve(Product::ExpertDown, w.down.format);
     let mut out = Vec::with_capacity(9);
 
     // 1. router logits [T, E]
@@ -245,7 +250,7 @@ pub fn prefill_moe(
                 accumulate: false,
             },
             row_scale: None,
-            precision: Precision::Split,
+            precision: policy.resolve(Product::Router, w.router.format),
             grouped: None,
         },
     )?);
@@ -313,15 +318,16 @@ pub fn prefill_moe(
     out.push(gemm::gemm(
         gpu,
         &Gemm {
-            a: xn.for_precision(prec),
+            a: xn.for_precision(up_prec),
             gather: Some(s.sorted_token),
             m: slots,
             w: &w.gate_up,
             n: 2 * i,
             swiglu: true,
-            out: GemmOut::Planes(s.act),
+            // the lo plane only for a split down (the epilogue splits the f32 result either way)
+            out: GemmOut::Planes(s.act.for_precision(down_prec)),
             row_scale: None,
-            precision: prec,
+            precision: up_prec,
             grouped: Some(Grouped {
                 tile_map: s.tile_map,
                 tile_count: s.tile_count,
@@ -334,7 +340,7 @@ pub fn prefill_moe(
     out.push(gemm::gemm(
         gpu,
         &Gemm {
-            a: s.act.for_precision(prec),
+            a: s.act.for_precision(down_prec),
             gather: None,
             m: slots,
             w: &w.down,
@@ -346,7 +352,7 @@ pub fn prefill_moe(
                 accumulate: false,
             },
             row_scale: None,
-            precision: prec,
+            precision: down_prec,
             grouped: Some(Grouped {
                 tile_map: s.tile_map,
                 tile_count: s.tile_count,
@@ -361,26 +367,27 @@ pub fn prefill_moe(
             gate_up.rows == 2 * is && down.rows == d,
             "prefill_moe: shared expert shapes"
         );
-        let sprec = precision.unwrap_or_else(|| Precision::for_format(gate_up.format));
+        let sup = policy.resolve(Product::Shared, gate_up.format);
+        let sdown = policy.resolve(Product::Shared, down.format);
         out.push(gemm::gemm(
             gpu,
             &Gemm {
-                a: xn.for_precision(sprec),
+                a: xn.for_precision(sup),
                 gather: None,
                 m: t,
                 w: gate_up,
                 n: 2 * is,
                 swiglu: true,
-                out: GemmOut::Planes(s.shared_act),
+                out: GemmOut::Planes(s.shared_act.for_precision(sdown)),
                 row_scale: None,
-                precision: sprec,
+                precision: sup,
                 grouped: None,
             },
         )?);
         out.push(gemm::gemm(
             gpu,
             &Gemm {
-                a: s.shared_act.for_precision(sprec),
+                a: s.shared_act.for_precision(sdown),
                 gather: None,
                 m: t,
                 w: down,
@@ -392,7 +399,7 @@ pub fn prefill_moe(
                     accumulate: true,
                 },
                 row_scale: Some(s.shared_w),
-                precision: sprec,
+                precision: sdown,
                 grouped: None,
             },
         )?);
@@ -419,7 +426,8 @@ pub fn prefill_moe(
     Ok(out)
 }
 
-/// `h += down(silu(gate x̂)·up x̂)` for T tokens (dense MLP). `act` holds planes `[T, I]`.
+/// `h += down(silu(gate x̂)·up x̂)` for T tokens (dense MLP, the policy's `shared` group). `act`
+/// holds planes `[T, I]`.
 pub fn prefill_mlp(
     gpu: &Gpu,
     w: &DevMlp,
@@ -427,31 +435,32 @@ pub fn prefill_mlp(
     h: DPtr,
     t: usize,
     act: Planes,
-    precision: Option<Precision>,
+    policy: &PromptPrecision,
 ) -> Result<Vec<Launch>> {
-    let prec = precision.unwrap_or_else(|| Precision::for_format(w.gate_up.format));
+    let up_prec = policy.resolve(Product::Shared, w.gate_up.format);
+    let down_prec = policy.resolve(Product::Shared, w.down.format);
     let i = w.gate_up.rows / 2;
     let d = w.down.rows;
     Ok(vec![
         gemm::gemm(
             gpu,
             &Gemm {
-                a: xn.for_precision(prec),
+                a: xn.for_precision(up_prec),
                 gather: None,
                 m: t,
                 w: &w.gate_up,
                 n: 2 * i,
                 swiglu: true,
-                out: GemmOut::Planes(act),
+                out: GemmOut::Planes(act.for_precision(down_prec)),
                 row_scale: None,
-                precision: prec,
+                precision: up_prec,
                 grouped: None,
             },
         )?,
         gemm::gemm(
             gpu,
             &Gemm {
-                a: act.for_precision(prec),
+                a: act.for_precision(down_prec),
                 gather: None,
                 m: t,
                 w: &w.down,
@@ -463,7 +472,7 @@ pub fn prefill_mlp(
                     accumulate: true,
                 },
                 row_scale: None,
-                precision: prec,
+                precision: down_prec,
                 grouped: None,
             },
         )?,

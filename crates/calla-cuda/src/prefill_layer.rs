@@ -25,6 +25,7 @@ use crate::gemm::{self, Gemm, GemmOut, Planes, Precision};
 use crate::gpu::{DPtr, Gpu, Launch};
 use crate::moe_prefill::{self, MoePrefillScratch};
 use crate::pool::{Arena, Region, ScratchPlan, ALWAYS};
+use crate::prompt_precision::{Product, PromptPrecision};
 use crate::weights::{DevFfn, DevLayer, DevMatrix, DevMixer, DevModel};
 
 /// This layer's state inside a sequence (absolute addresses: state base + StateLayout offsets).
@@ -42,11 +43,21 @@ pub enum LayerState {
 }
 
 /// Options of the prompt path.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct PrefillOptions {
-    /// Precision of every weight product; None: by each matrix's format (f32/f16 split, bf16 and
-    /// quantised fast). The MoE router always runs split.
-    pub precision: Option<Precision>,
+    /// Precision of each weight product (prompt_precision.rs; `Option<Precision>.into()`: one
+    /// choice for all, None by each matrix's format). The MoE router always runs split.
+    pub precision: PromptPrecision,
+}
+
+/// By each matrix's format (as before the per-product policy: the kernel tests and the lab run
+/// fast for quantised weights); the engine passes its `CudaOptions::prompt_precision`.
+impl Default for PrefillOptions {
+    fn default() -> Self {
+        PrefillOptions {
+            precision: PromptPrecision::AUTO,
+        }
+    }
 }
 
 /// Activation scratch of the prompt path, sized for `max_tokens` per call: one allocation laid out
@@ -287,23 +298,24 @@ fn plane_rows(p: Planes, row: usize) -> Planes {
     Planes::new(at(p.hi), at(p.lo), p.ld)
 }
 
-/// The precision the options (or, without a choice, the matrix's format) call for.
-fn precision_of(w: &DevMatrix, opts: &PrefillOptions) -> Precision {
-    opts.precision
-        .unwrap_or_else(|| Precision::for_format(w.format))
+/// The precision the options call for `product` over `w` (without a choice: by its format).
+fn precision_of(w: &DevMatrix, product: Product, opts: &PrefillOptions) -> Precision {
+    opts.precision.resolve(product, w.format)
 }
 
-/// `out (+)= x̂·Wᵀ` with the precision the options (or the matrix format) call for.
+/// `out (+)= x̂·Wᵀ` with the precision the options call for `product` (or the matrix format).
+#[allow(clippy::too_many_arguments)]
 fn project(
     gpu: &Gpu,
     xn: Planes,
     t: usize,
     w: &DevMatrix,
+    product: Product,
     out: DPtr,
     accumulate: bool,
     opts: &PrefillOptions,
 ) -> Result<Launch> {
-    let precision = precision_of(w, opts);
+    let precision = precision_of(w, product, opts);
     gemm::gemm(
         gpu,
         &Gemm {
@@ -412,7 +424,7 @@ pub fn prefill_mixer(
         match (&l.mixer, state) {
             (DevMixer::DeltaNet(w), LayerState::DeltaNet { conv_ring, state }) => {
                 for (m, dst) in w.in_proj.iter().zip([s.dn_qkv, s.dn_z, s.dn_b, s.dn_a]) {
-                    out.push(project(gpu, xn, n, m, dst, false, opts)?);
+                    out.push(project(gpu, xn, n, m, Product::MixerIn, dst, false, opts)?);
                 }
                 out.extend(deltanet_prefill::prefill_core(
                     gpu,
@@ -439,7 +451,16 @@ pub fn prefill_mixer(
                         y: s.dn_y,
                     },
                 )?);
-                out.push(project(gpu, s.dn_y, n, &w.out_proj, h, true, opts)?);
+                out.push(project(
+                    gpu,
+                    s.dn_y,
+                    n,
+                    &w.out_proj,
+                    Product::MixerOut,
+                    h,
+                    true,
+                    opts,
+                )?);
             }
             (
                 DevMixer::Attention(w),
@@ -451,7 +472,7 @@ pub fn prefill_mixer(
                 },
             ) => {
                 for (m, dst) in w.in_proj.iter().zip([s.at_qg, s.at_k, s.at_v]) {
-                    out.push(project(gpu, xn, n, m, dst, false, opts)?);
+                    out.push(project(gpu, xn, n, m, Product::MixerIn, dst, false, opts)?);
                 }
                 out.extend(attention_prefill::prefill_core(
                     gpu,
@@ -470,11 +491,21 @@ pub fn prefill_mixer(
                         max_ctx,
                         kv,
                         // the queries' lo plane only when o_proj runs split (attention_prefill.rs)
-                        q: s.at_q.for_precision(precision_of(&w.o_proj, opts)),
+                        q: s.at_q
+                            .for_precision(precision_of(&w.o_proj, Product::MixerOut, opts)),
                         y: s.at_y,
                     },
                 )?);
-                out.push(project(gpu, s.at_y, n, &w.o_proj, h, true, opts)?);
+                out.push(project(
+                    gpu,
+                    s.at_y,
+                    n,
+                    &w.o_proj,
+                    Product::MixerOut,
+                    h,
+                    true,
+                    opts,
+                )?);
             }
             _ => bail!("prefill: layer {layer}'s state does not match its kind"),
         }
@@ -518,7 +549,7 @@ pub fn prefill_ffn(
                 h,
                 t,
                 ms,
-                opts.precision,
+                &opts.precision,
             )?);
         }
         DevFfn::Dense(m) => {
@@ -532,7 +563,7 @@ pub fn prefill_ffn(
                 h,
                 t,
                 act,
-                opts.precision,
+                &opts.precision,
             )?);
         }
     }

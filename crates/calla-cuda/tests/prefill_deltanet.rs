@@ -96,7 +96,9 @@ fn run_case(
             h,
             p0,
             t,
-            &PrefillOptions { precision },
+            &PrefillOptions {
+                precision: precision.into(),
+            },
         )
         .unwrap();
         run(&gpu, &launches);

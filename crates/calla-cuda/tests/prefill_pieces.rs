@@ -40,7 +40,9 @@ fn run_all(
     let tm = pieces.unwrap_or(max_tokens);
     let scratch = PrefillScratch::with_mixer_tokens(&mut arena, spec, max_tokens, tm).unwrap();
     let h = arena.alloc_zeroed(max_tokens * d * 4).unwrap();
-    let opts = PrefillOptions { precision };
+    let opts = PrefillOptions {
+        precision: precision.into(),
+    };
     let mut rows = Vec::new();
     let mut p0 = 0;
     for chunk in chunks {
