@@ -272,7 +272,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
                 Some((w.gate_up, i, a)),
                 Some(sgu),
                 (0, a + 1),
-)?);
+            )?);
         }
         (Some((sgu, _)), _) => {
             launches.push(gate_up_launch(
@@ -283,7 +283,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
                 Some((w.gate_up, i, a)),
                 None,
                 (0, a),
-)?);
+            )?);
             launches.push(gate_up_launch(
                 gpu,
                 io,
@@ -292,7 +292,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
                 None,
                 Some(sgu),
                 (a, a + 1),
-)?);
+            )?);
         }
         (None, _) => launches.push(gate_up_launch(
             gpu,
@@ -302,7 +302,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
             Some((w.gate_up, i, a)),
             None,
             (0, a),
-)?),
+        )?),
     }
     match (w.shared, same) {
         (Some((_, sdn)), Some(true)) => {
