@@ -28,13 +28,21 @@ experts-gate-up, experts-down, experts, shared (e.g. mixed,shared=auto). The MoE
 split";
 
 /// K/V cache element type of the CUDA engine (`--kv-cache`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum KvCache {
     /// f32: decode matches the f32 CPU reference to rounding.
-    #[default]
     F32,
-    /// bf16: half the cache's bytes (long contexts).
+    /// bf16: half the cache's bytes (the engine's default, calla_cuda DEFAULT_KV_CACHE).
     Bf16,
+}
+
+impl Default for KvCache {
+    fn default() -> Self {
+        match calla_cuda::backend::DEFAULT_KV_CACHE {
+            calla_cuda::KvDtype::F32 => KvCache::F32,
+            calla_cuda::KvDtype::Bf16 => KvCache::Bf16,
+        }
+    }
 }
 
 impl KvCache {
@@ -51,8 +59,9 @@ impl KvCache {
 pub struct CudaFlags {
     #[arg(long, env = calla_cuda::prompt_precision::ENV, default_value = "split", help = PROMPT_PRECISION_HELP)]
     pub prompt_precision: PromptPrecision,
-    /// CUDA: K/V cache element type: f32 or bf16.
-    #[arg(long, value_enum, default_value_t = KvCache::F32)]
+    /// CUDA: K/V cache element type: f32 or bf16 (default bf16: half the memory; f32 matches the
+    /// f32 CPU reference to rounding).
+    #[arg(long, value_enum, default_value_t = KvCache::default())]
     pub kv_cache: KvCache,
 }
 
