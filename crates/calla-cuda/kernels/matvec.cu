@@ -40,7 +40,11 @@ struct MatvecParams {
     int total_rows;
 };
 
-#define MATVEC_PREFETCH_PASSES 2
+// How many passes ahead a block asks L2 for its rows (CALLA_NVRTC_DEFINES=MATVEC_PREFETCH_PASSES=n
+// to measure; 0 = none).
+#ifndef MATVEC_PREFETCH_PASSES
+#define MATVEC_PREFETCH_PASSES 1
+#endif
 
 // L2 prefetch of rows [first, first + n) of the stacked segments.
 __device__ __forceinline__ void matvec_prefetch_pass(const MatvecParams& p, int first, int n) {
@@ -70,10 +74,11 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     const int units_per_group = F::AFFINE ? p.group_size / F::W : 1;
     // Every thread runs the same number of passes so the shuffles in group_sum see full warps.
     for (int base = blockIdx.x * rows_per_pass; base < p.total_rows; base += gridDim.x * rows_per_pass) {
-        // Long matrices (the lm_head: ~30 passes): each pass asks L2 for the pass that many ahead.
-        // Not before the first pass: measured, prefetching a kernel's first rows cost more than it
-        // saved (+1.7 µs per in-projection, docs/performance.md).
-        matvec_prefetch_pass(p, base + MATVEC_PREFETCH_PASSES * gridDim.x * rows_per_pass, rows_per_pass);
+        // Each pass asks L2 for the block's rows MATVEC_PREFETCH_PASSES passes ahead (the in-projection's
+        // second pass, the lm_head's ~30). Not the first pass's own rows: measured, prefetching rows that
+        // are loaded right after cost more than it saved (+1.7 µs per in-projection, docs/performance.md).
+        if (MATVEC_PREFETCH_PASSES > 0)
+            matvec_prefetch_pass(p, base + MATVEC_PREFETCH_PASSES * gridDim.x * rows_per_pass, rows_per_pass);
         RowPtr rows[R];
         int seg_of[R], local[R];
 #pragma unroll
