@@ -1,9 +1,8 @@
 //! Seeded random inputs and weights for tests and benchmarks (never zeros, never a fixed pattern).
 
 use calla_model::{
-    AttentionWeights, Blob, DType, DeltaNetWeights, Family, FeedForwardSpec, FeedForwardWeights,
-    LayerKind, LayerWeights, Matrix, MatrixData, MixerWeights, MlpWeights, ModelSpec, MoeWeights,
-    Weights,
+    AttentionWeights, DeltaNetWeights, Family, FeedForwardSpec, FeedForwardWeights, LayerKind,
+    LayerWeights, Matrix, MixerWeights, MlpWeights, ModelSpec, MoeWeights, Weights,
 };
 
 /// SplitMix64: small, seedable, good enough for test data.
@@ -42,9 +41,9 @@ impl Rng {
     }
 }
 
-/// MLX-style affine quantisation of a row-major `[rows, cols]` matrix: per group of `group_size`
-/// columns, `scale = (max − min)/(2^bits − 1)`, `bias = min`, `q = round((w − bias)/scale)`; scales and
-/// biases stored as bf16 (as MLX does for bf16 models) and used rounded when choosing q.
+/// MLX affine quantisation of a row-major `[rows, cols]` matrix (`bits` 4 or 8, `group_size`
+/// columns per (scale, bias) pair): the loader's quantiser, bit-exact to mlx-lm
+/// (calla_model::quant::quantize_values), so tests quantise exactly as `--quant` does.
 pub fn quantise_affine(
     rows: usize,
     cols: usize,
@@ -52,39 +51,7 @@ pub fn quantise_affine(
     bits: u32,
     group_size: usize,
 ) -> Matrix {
-    assert!(cols % group_size == 0 && (cols * bits as usize) % 32 == 0);
-    let levels = ((1u32 << bits) - 1) as f32;
-    let mut words = vec![0u32; rows * cols * bits as usize / 32];
-    let mut scales = Vec::new();
-    let mut biases = Vec::new();
-    let per_word = 32 / bits as usize;
-    for (g, group) in values.chunks_exact(group_size).enumerate() {
-        let lo = group.iter().cloned().fold(f32::INFINITY, f32::min);
-        let hi = group.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let scale = half::bf16::from_f32(((hi - lo) / levels).max(1e-8));
-        let bias = half::bf16::from_f32(lo);
-        for (j, w) in group.iter().enumerate() {
-            let q = ((w - bias.to_f32()) / scale.to_f32())
-                .round()
-                .clamp(0.0, levels) as u32;
-            let idx = g * group_size + j;
-            words[idx / per_word] |= q << (bits as usize * (idx % per_word));
-        }
-        scales.extend_from_slice(&scale.to_bits().to_le_bytes());
-        biases.extend_from_slice(&bias.to_bits().to_le_bytes());
-    }
-    Matrix {
-        rows,
-        cols,
-        data: MatrixData::Affine {
-            bits,
-            group_size,
-            codes: Blob::from_vec(bytemuck::cast_slice(&words).to_vec()),
-            scales: Blob::from_vec(scales),
-            biases: Blob::from_vec(biases),
-            param_dtype: DType::BF16,
-        },
-    }
+    calla_model::quant::quantize_values(rows, cols, values, bits, group_size)
 }
 
 /// A small spec with the shape of the test fixtures: [DN, DN, DN, Attn] × `groups`, every dimension

@@ -234,9 +234,10 @@ fn correlation(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Quantised weights (every projection, embedding and lm_head) stay close to f32, on a calm random
-/// model (gain 0.5; at gain 1 the model amplifies any weight noise ~25×). Bounds: the logit correlation
-/// per position and the argmax agreement, each with margin below what was measured (q8: 0.9999 and
-/// 46–47/48; q4: 0.97–0.98 and 37–38/48).
+/// model (gain 0.5; at gain 1 the model amplifies any weight noise ~25×), quantised exactly as mlx-lm
+/// does (calla_model::quant). Bounds: the logit correlation per position and the argmax agreement,
+/// each with margin below what was measured (q8: 0.9998 dense, 0.9990 MoE — a near-tie in routing
+/// can flip one expert, a discrete jump — and 45–47/48; q4: 0.98 and 41/48).
 #[test]
 fn quantised_weights_stay_close_to_f32() {
     let argmax = |l: &[f32]| (0..l.len()).max_by(|a, b| l[*a].total_cmp(&l[*b])).unwrap();
@@ -249,7 +250,7 @@ fn quantised_weights_stay_close_to_f32() {
         let reference =
             f32_model.forward(&prompt, &mut f32_model.new_sequence(), Logits::All, None);
         // (bits, lowest per-position correlation, least argmax agreement out of 48)
-        for (bits, min_corr, min_agree) in [(8u32, 0.999, 43), (4, 0.93, 30)] {
+        for (bits, min_corr, min_agree) in [(8u32, 0.998, 43), (4, 0.93, 30)] {
             let q = Model::new(spec.clone(), &quantise_weights(&weights, bits, 64)).unwrap();
             let got = q.forward(&prompt, &mut q.new_sequence(), Logits::All, None);
             let row = |l: &[f32], i: usize| l[i * v..(i + 1) * v].to_vec();
