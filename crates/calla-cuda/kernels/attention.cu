@@ -62,34 +62,67 @@ __device__ __forceinline__ float kv_load(const u16* base, i64 i) { return bf16_t
 
 // One head row by one warp: dst = rope(rmsnorm₀(src)·gain)·scale, dst in shared memory [Dh].
 // Same arithmetic per element as the prefill prep (x·inv·gain, f32 angle p·inv_freq[i]).
-__device__ __forceinline__ void norm_rope_row(const float* src, const float* gain, const float* inv_freq,
-                                              float* dst, int Dh, int rot, int pos, float eps, float scale) {
+// Split in two so that every global load of the row (x, gain, inv_freq) is in flight at once, and
+// the weights (gain, inv_freq) can be requested before griddep_wait: one memory latency per row,
+// not one per dependent load (a store to dst between loads kept them serial before).
+struct RopeRowIn {
+    float x[ATTN_MAX_DPL], gain[ATTN_MAX_DPL], inv_freq[ATTN_MAX_DPL / 2];
+};
+// The weights: gain[Dh], inv_freq[R/2] (R/2 ≤ Dh/2: at most dpl/2 per lane).
+__device__ __forceinline__ void rope_row_load_weights(RopeRowIn& in, const float* gain, const float* inv_freq,
+                                                      int Dh, int rot) {
+    const int lane = threadIdx.x & 31, dpl = Dh / 32, half = rot / 2;
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_DPL; ++e)
+        if (e < dpl) in.gain[e] = gain[lane + 32 * e];
+#pragma unroll
+    for (int j = 0; j < ATTN_MAX_DPL / 2; ++j)
+        if (lane + 32 * j < half) in.inv_freq[j] = inv_freq[lane + 32 * j];
+}
+__device__ __forceinline__ void rope_row_load_x(RopeRowIn& in, const float* src, int Dh) {
     const int lane = threadIdx.x & 31, dpl = Dh / 32;
-    float x[ATTN_MAX_DPL];
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_DPL; ++e)
+        if (e < dpl) in.x[e] = src[lane + 32 * e];
+}
+__device__ __forceinline__ void rope_row_finish(const RopeRowIn& in, float* dst, int Dh, int rot, int pos,
+                                                float eps, float scale) {
+    const int lane = threadIdx.x & 31, dpl = Dh / 32;
     float ss = 0.0f;
 #pragma unroll
     for (int e = 0; e < ATTN_MAX_DPL; ++e)
-        if (e < dpl) { x[e] = src[lane + 32 * e]; ss += x[e] * x[e]; }
+        if (e < dpl) ss += in.x[e] * in.x[e];
     const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)Dh + eps);
 #pragma unroll
     for (int e = 0; e < ATTN_MAX_DPL; ++e)
-        if (e < dpl) dst[lane + 32 * e] = x[e] * inv * gain[lane + 32 * e];
+        if (e < dpl) dst[lane + 32 * e] = in.x[e] * inv * in.gain[e];
     __syncwarp();
     // NeoX half split: pair (i, i + R/2) belongs to one lane, so no pair is read after another
     // lane wrote it.
     const int half = rot / 2;
-    for (int i = lane; i < half; i += 32) {
-        const float angle = (float)pos * inv_freq[i];
-        const float c = cosf(angle), s = sinf(angle);
-        const float x1 = dst[i], x2 = dst[i + half];
-        dst[i] = x1 * c - x2 * s;
-        dst[i + half] = x2 * c + x1 * s;
+#pragma unroll
+    for (int j = 0; j < ATTN_MAX_DPL / 2; ++j) {
+        const int i = lane + 32 * j;
+        if (i < half) {
+            const float angle = (float)pos * in.inv_freq[j];
+            const float c = cosf(angle), s = sinf(angle);
+            const float x1 = dst[i], x2 = dst[i + half];
+            dst[i] = x1 * c - x2 * s;
+            dst[i + half] = x2 * c + x1 * s;
+        }
     }
     __syncwarp();
 #pragma unroll
     for (int e = 0; e < ATTN_MAX_DPL; ++e)
         if (e < dpl) dst[lane + 32 * e] *= scale;
     __syncwarp();
+}
+__device__ __forceinline__ void norm_rope_row(const float* src, const float* gain, const float* inv_freq,
+                                              float* dst, int Dh, int rot, int pos, float eps, float scale) {
+    RopeRowIn in;
+    rope_row_load_weights(in, gain, inv_freq, Dh, rot);
+    rope_row_load_x(in, src, Dh);
+    rope_row_finish(in, dst, Dh, rot, pos, eps, scale);
 }
 // K tile row pitch in elements: 16-byte aligned rows, 4 words past a multiple of 32 words, so the 8
 // lanes of each quarter-warp phase of a 16-byte read (rows t..t+7, one column) hit disjoint banks.
@@ -153,50 +186,82 @@ __device__ __forceinline__ bool arrive_last(unsigned* ticket, unsigned count, in
     return last;
 }
 
-// One warp merges `count` partials of q head `hq` (slots first + i·stride, i in order) by
-// log-sum-exp. final: y = (Σ w_i acc_i / Σ w_i l_i) ⊙ sigmoid(gate); else the unnormalised merge
-// (M, Σ w_i l_i, Σ w_i acc_i) replaces slot `first`. Partials are read through L2 (other blocks
-// wrote them). Every input has l ≥ 1 and a finite m: no live split is empty.
+// One warp merges `count` ≤ ATTN_MAX_MERGE partials of q head `hq` (slots first + i·stride, i in
+// order) by log-sum-exp. final: y = (Σ w_i acc_i / Σ w_i l_i) ⊙ sigmoid(gate); else the
+// unnormalised merge (M, Σ w_i l_i, Σ w_i acc_i) replaces slot `first`. Partials are read through
+// L2 (other blocks wrote them). Every input has l ≥ 1 and a finite m: no live split is empty.
+// Latency: m, l (lane i holds inputs i and i + 32), the gate and the first ATTN_MERGE_BATCH acc rows
+// are requested together, so a merge of ≤ ATTN_MERGE_BATCH inputs costs one L2 round trip (two for
+// a group of 16); the weights travel by shuffle. Sum order i = 0, 1, … whichever block merges.
+#define ATTN_MERGE_BATCH 8
+template <int BATCH = ATTN_MERGE_BATCH>
 __device__ __forceinline__ void merge_partials(const AttnDecodeParams& p, int hq, int first, int stride,
-                                               int count, float* w_s, bool final) {
+                                               int count, bool final) {
     const int lane = threadIdx.x & 31, Dh = p.Dh, dpl = Dh / 32;
     const i64 slot0 = (i64)hq * p.nsplit + first;
     float* pm = (float*)p.part_m + slot0;
     float* pl = (float*)p.part_l + slot0;
     float* acc = (float*)p.part_acc + slot0 * Dh;
-    float M = NEG_INF;
-    for (int i = lane; i < count; i += 32) M = fmaxf(M, __ldcg(pm + (i64)i * stride));
-    M = warp_max(M);
-    float L = 0.0f;
-    for (int i = lane; i < count; i += 32) {
-        const float w = expf(__ldcg(pm + (i64)i * stride) - M);
-        w_s[i] = w;
-        L += __ldcg(pl + (i64)i * stride) * w;
+    float mv[2] = {NEG_INF, NEG_INF}, lv[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = lane + 32 * r;
+        if (i < count) {
+            mv[r] = __ldcg(pm + (i64)i * stride);
+            lv[r] = __ldcg(pl + (i64)i * stride);
+        }
     }
+    float gate[ATTN_MAX_DPL];
+    if (final && p.gated) {
+        const float* g = (const float*)p.qg + (i64)hq * 2 * Dh + Dh;
+#pragma unroll
+        for (int e = 0; e < ATTN_MAX_DPL; ++e)
+            if (e < dpl) gate[e] = g[lane + 32 * e];
+    }
+    float a[BATCH][ATTN_MAX_DPL];
+    auto load_batch = [&](int i0) {
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j)
+            if (i0 + j < count) {
+                const float* row = acc + (i64)(i0 + j) * stride * Dh + lane;
+#pragma unroll
+                for (int e = 0; e < ATTN_MAX_DPL; ++e)
+                    if (e < dpl) a[j][e] = __ldcg(row + 32 * e);
+            }
+    };
+    load_batch(0);
+    const float M = warp_max(fmaxf(mv[0], mv[1]));
+    float wv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) wv[r] = lane + 32 * r < count ? expf(mv[r] - M) : 0.0f;
+    float L = lv[0] * wv[0];
+    L += lv[1] * wv[1];
     L = warp_sum(L);
-    __syncwarp(); // w_s complete; every lane has read pm / pl (slot `first` may be overwritten below)
     float o[ATTN_MAX_DPL];
 #pragma unroll
     for (int e = 0; e < ATTN_MAX_DPL; ++e) o[e] = 0.0f;
-#pragma unroll 4
-    for (int i = 0; i < count; ++i) {
-        const float w = w_s[i];
-        const float* a = acc + (i64)i * stride * Dh + lane;
+    for (int i0 = 0; i0 < count; i0 += BATCH) {
+        if (i0 > 0) load_batch(i0);
 #pragma unroll
-        for (int e = 0; e < ATTN_MAX_DPL; ++e)
-            if (e < dpl) o[e] = fmaf(__ldcg(a + 32 * e), w, o[e]);
+        for (int j = 0; j < BATCH; ++j)
+            if (i0 + j < count) {
+                const int i = i0 + j;
+                const float w = __shfl_sync(0xffffffffu, i < 32 ? wv[0] : wv[1], i & 31);
+#pragma unroll
+                for (int e = 0; e < ATTN_MAX_DPL; ++e)
+                    if (e < dpl) o[e] = fmaf(a[j][e], w, o[e]);
+            }
     }
+    __syncwarp(); // every lane has read its inputs (slot `first` is overwritten below)
     if (final) {
         const float inv_l = 1.0f / L;
-        const float* gate = (const float*)p.qg + (i64)hq * 2 * Dh + Dh;
         float* y = (float*)p.y + (i64)hq * Dh;
 #pragma unroll
         for (int e = 0; e < ATTN_MAX_DPL; ++e)
             if (e < dpl) {
-                const int d = lane + 32 * e;
                 float r = o[e] * inv_l;
-                if (p.gated) r *= sigmoid_f(gate[d]);
-                y[d] = r;
+                if (p.gated) r *= sigmoid_f(gate[e]);
+                y[lane + 32 * e] = r;
             }
     } else {
 #pragma unroll
@@ -322,11 +387,10 @@ __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
     const int ngroups = (nsp + ATTN_GROUP - 1) / ATTN_GROUP;
     unsigned* tickets = (unsigned*)p.tickets + (i64)kvh * (1 + (p.nsplit + ATTN_GROUP - 1) / ATTN_GROUP);
     if (!arrive_last(tickets + 1 + group, min(ATTN_GROUP, nsp - first), &last_s)) return;
-    float* w_s = (float*)k_s + g * ATTN_MAX_MERGE; // the tiles are done (arrive_last synchronised)
-    merge_partials(p, hq, first, 1, min(ATTN_GROUP, nsp - first), w_s, ngroups == 1);
+    merge_partials<4>(p, hq, first, 1, min(ATTN_GROUP, nsp - first), ngroups == 1);
     if (ngroups == 1) return;
     if (!arrive_last(tickets, ngroups, &last_s)) return;
-    merge_partials(p, hq, 0, ATTN_GROUP, ngroups, w_s, true);
+    merge_partials<4>(p, hq, 0, ATTN_GROUP, ngroups, true);
 }
 
 // ---------------------------------------------------------------- bf16 cache on the tensor cores
@@ -337,20 +401,23 @@ __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
 //   scores  Sᵀ[t, h] = Σ_d K[t, d]·q_h[d]     A = K tile (row-major in shared memory, ldmatrix),
 //           B = qᵀ from registers; warp w: positions 16·(w & 1)…, d-chunks of 16: w>>1, +4, +8, +12;
 //           the 4 partial sums per (t, h) are added in chunk-group order through shared memory.
-//   softmax warp ↔ head (h = w, w + 8), lane ↔ position, as in the f32 kernel.
+//   softmax every warp, redundantly and identically, for all heads in the B-fragment layout of
+//           P (lane: head gq, positions 16kk + 2qd, +1, +8, +9): P, the running max / sum and
+//           the rescale factors stay in registers, so a tile costs two barriers (tile landed,
+//           score partials complete), not three plus a P round trip through shared memory.
 //   output  Oᵀ[d, h] += Σ_t V[t, d]·P[h, t]   A = Vᵀ (ldmatrix.trans of the V tile), B = Pᵀ;
 //           warp w owns the d-tiles w, w + 8 (accumulators stay in registers over the tiles).
 // q and P are f32 values split into bf16 hi + lo (two mmas each): products exact, residue ~2⁻¹⁷
 // relative, so the result stays at f32 accuracy over the bf16 cache (K and V are bf16 already).
 // Rows past p are zero-filled (zero V rows: 0·garbage never makes NaN); row p comes from the
 // prologue (shared memory), not the cache.
-// Dynamic smem (bytes): STAGES·2·TILE·(Dh+8)·2 (K, V ring; later the merge weights)
-//   + max((G+1)·Dh, KGROUPS·TILE·16)·4 (q rows and the k row, then the score partials)
-//   + 2·Dh·2 (K[p], V[p] bf16) + 2·16·P_PITCH·2 (P hi, lo) + 16·4 (rescale per head).
+// Dynamic smem (bytes): STAGES·2·TILE·(Dh+8)·2 (K, V ring)
+//   + max((G+1)·Dh, KGROUPS·16·RED_PITCH)·4 (q rows and the k row, then the score partials)
+//   + 2·Dh·2 (K[p], V[p] bf16).
 #define ATTN_WARPS 8
 #define ATTN_STAGES 3
-#define ATTN_KGROUPS 4  // score partial sums per (position, head)
-#define ATTN_P_PITCH 40 // bf16 per P row [head][position]: 20 words apart, B reads conflict-free
+#define ATTN_KGROUPS 4    // score partial sums per (position, head)
+#define ATTN_RED_PITCH 40 // f32 per score-partial row [kgroup][head][position]: float2 reads conflict-free
 
 // Helpers as in mma.cuh (not prepended to this module).
 __device__ __forceinline__ u32 attn_smem_u32(const void* p) {
@@ -411,13 +478,34 @@ __device__ __forceinline__ void attn_issue_tile(u16* stage, const u16* kc, const
 __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p) {
     extern __shared__ __align__(16) unsigned char attn_smem[];
     __shared__ int last_s;
-    griddep_launch_dependents();
-    griddep_wait();
     const int G = p.Hq / p.Hkv, Dh = p.Dh, kvh = blockIdx.y, split = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, qd = lane & 3; // mma fragment: row group, column pair
     const int NT = G > 8 ? 2 : 1;            // n-tiles of 8 heads
+    // Rows this warp normalises: q heads warp, warp + 8 (< G); warp G % 8 also the k row (used
+    // only by the block that holds p, loaded by every block: all loads leave at once).
+    const bool k_warp = warp == G % ATTN_WARPS;
+    RopeRowIn q_in[2], k_in;
+    float v_in[ATTN_MAX_DPL];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        if (warp + ATTN_WARPS * r < G)
+            rope_row_load_weights(q_in[r], (const float*)p.q_gain, (const float*)p.inv_freq, Dh, p.rot);
+    if (k_warp) rope_row_load_weights(k_in, (const float*)p.k_gain, (const float*)p.inv_freq, Dh, p.rot);
+    griddep_launch_dependents();
+    griddep_wait();
     const Cursor cur = *(const Cursor*)p.cursor;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        if (warp + ATTN_WARPS * r < G)
+            rope_row_load_x(q_in[r], (const float*)p.qg + (i64)(kvh * G + warp + ATTN_WARPS * r) * Dh * (p.gated ? 2 : 1),
+                            Dh);
+    if (k_warp) {
+        rope_row_load_x(k_in, (const float*)p.k + (i64)kvh * Dh, Dh);
+#pragma unroll
+        for (int e = 0; e < ATTN_MAX_DPL; ++e)
+            if (e < Dh / 32) v_in[e] = ((const float*)p.v)[(i64)kvh * Dh + lane + 32 * e];
+    }
     const int len = cur.pos + 1;
     const int2 live = attn_live_splits(cur.pos, p.nsplit, p.min_tiles);
     const int nsp = live.x, tiles = live.y;
@@ -428,10 +516,8 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
     const int kp = k_pitch<u16>(Dh), stage_elems = 2 * ATTN_TILE * kp;
     u16* kv_s = (u16*)attn_smem;                              // [STAGES][K, V][TILE, kp]
     float* q_s = (float*)(kv_s + ATTN_STAGES * stage_elems); // [G, Dh] q, [Dh] k; then red
-    float* red_s = q_s;                                      // [KGROUPS, TILE, 16] score partials
-    u16* kvp_s = (u16*)(q_s + max((G + 1) * Dh, ATTN_KGROUPS * ATTN_TILE * 16)); // [2, Dh]
-    u16* p_s = kvp_s + 2 * Dh;                          // [hi, lo][16 heads][P_PITCH]
-    float* corr_s = (float*)(p_s + 2 * 16 * ATTN_P_PITCH); // [16]
+    float* red_s = q_s;                                      // [KGROUPS, 16 heads, RED_PITCH] score partials
+    u16* kvp_s = (u16*)(q_s + max((G + 1) * Dh, ATTN_KGROUPS * 16 * ATTN_RED_PITCH)); // [2, Dh]
     u16* kc = (u16*)(cur.state_base + p.k_off) + (i64)kvh * p.max_ctx * Dh;
     u16* vc = (u16*)(cur.state_base + p.v_off) + (i64)kvh * p.max_ctx * Dh;
     const bool block_holds_p = t1 == len;
@@ -451,26 +537,26 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         }
         attn_cp_commit();
     }
-    for (int i = tid; i < 16 * ATTN_P_PITCH; i += blockDim.x) ((u32*)p_s)[i] = 0u; // padded heads: P = 0
-    if (tid < 16) corr_s[tid] = 1.0f;
-    for (int h = warp; h < G; h += ATTN_WARPS)
-        norm_rope_row((const float*)p.qg + (i64)(kvh * G + h) * Dh * (p.gated ? 2 : 1), (const float*)p.q_gain,
-                      (const float*)p.inv_freq, q_s + h * Dh, Dh, p.rot, cur.pos, p.eps, p.scale);
-    if (block_holds_p && warp == G % ATTN_WARPS) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        if (warp + ATTN_WARPS * r < G)
+            rope_row_finish(q_in[r], q_s + (warp + ATTN_WARPS * r) * Dh, Dh, p.rot, cur.pos, p.eps, p.scale);
+    if (block_holds_p && k_warp) {
         float* k_row = q_s + G * Dh;
-        norm_rope_row((const float*)p.k + (i64)kvh * Dh, (const float*)p.k_gain, (const float*)p.inv_freq, k_row,
-                      Dh, p.rot, cur.pos, p.eps, 1.0f);
-        const float* v = (const float*)p.v + (i64)kvh * Dh;
+        rope_row_finish(k_in, k_row, Dh, p.rot, cur.pos, p.eps, 1.0f);
         const i64 row = (i64)cur.pos * Dh;
-        for (int d = lane; d < Dh; d += 32) {
-            const u16 kb = f32_to_bf16(k_row[d]), vb = f32_to_bf16(v[d]);
-            kc[row + d] = kb;
-            vc[row + d] = vb;
-            kvp_s[d] = kb;
-            kvp_s[Dh + d] = vb;
-        }
+#pragma unroll
+        for (int e = 0; e < ATTN_MAX_DPL; ++e)
+            if (e < Dh / 32) {
+                const int d = lane + 32 * e;
+                const u16 kb = f32_to_bf16(k_row[d]), vb = f32_to_bf16(v_in[e]);
+                kc[row + d] = kb;
+                vc[row + d] = vb;
+                kvp_s[d] = kb;
+                kvp_s[Dh + d] = vb;
+            }
     }
-    __syncthreads(); // q_s, k row, P padding, corr
+    __syncthreads(); // q_s, k row
 
     // qᵀ as B fragments, split hi + lo: b0 = (d 16c + 2qd, +1; head 8nt + gq), b1 = d + 8.
     const int mt = warp & 1, kg = warp >> 1, nchunks = Dh / 16;
@@ -492,8 +578,9 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
             attn_split_pair(x[2], x[3], qb[j][nt][1], qb[j][nt][3]);
         }
 
-    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f}; // heads warp, warp + 8
-    float o[2][2][4];                                              // [d-tile warp + 8j][n-tile][c]
+    // Softmax state of head 8nt + gq (the same in every lane of the quad and in every warp).
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
+    float o[2][2][4]; // [d-tile warp + 8j][n-tile][c]
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -512,7 +599,7 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
                 ks[p_row * kp + d] = kvp_s[d];
                 vs[p_row * kp + d] = kvp_s[Dh + d];
             }
-        __syncthreads(); // tile i complete; every warp is past tile i − 1 (scores, P, P·V)
+        __syncthreads(); // tile i complete; every warp is past tile i − 1 (scores, softmax, P·V)
         {
             const int next = i + ATTN_STAGES - 1; // into the stage tile i − 1 used
             if (next < ntiles) {
@@ -522,8 +609,9 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
             }
             attn_cp_commit();
         }
-        // scores: this warp's 16 positions × its d-chunks
-        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        // scores: this warp's 16 positions × its d-chunks; hi and lo products in two chains
+        float sh[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        float sl[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int c = kg + 4 * j;
@@ -534,43 +622,81 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt)
                     if (nt < NT) {
-                        attn_mma(sc[nt], a, qb[j][nt][0], qb[j][nt][1]);
-                        attn_mma(sc[nt], a, qb[j][nt][2], qb[j][nt][3]);
+                        attn_mma(sh[nt], a, qb[j][nt][0], qb[j][nt][1]);
+                        attn_mma(sl[nt], a, qb[j][nt][2], qb[j][nt][3]);
                     }
             }
         }
+        // partials [kg][head][position]: rows t, t + 8 of the C fragment, heads 2qd, 2qd + 1
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
             if (nt < NT) {
                 const int t = mt * 16 + gq, h = nt * 8 + 2 * qd;
-                *(float2*)(red_s + (kg * ATTN_TILE + t) * 16 + h) = make_float2(sc[nt][0], sc[nt][1]);
-                *(float2*)(red_s + (kg * ATTN_TILE + t + 8) * 16 + h) = make_float2(sc[nt][2], sc[nt][3]);
+                float* r0 = red_s + (kg * 16 + h) * ATTN_RED_PITCH + t;
+                r0[0] = sh[nt][0] + sl[nt][0];
+                r0[ATTN_RED_PITCH] = sh[nt][1] + sl[nt][1];
+                r0[8] = sh[nt][2] + sl[nt][2];
+                r0[ATTN_RED_PITCH + 8] = sh[nt][3] + sl[nt][3];
             }
         __syncthreads(); // score partials complete
-        // online softmax: warp ↔ head, lane ↔ position
+        // Online softmax of head h = 8nt + gq over the tile, in every warp: this lane's positions
+        // 16kk + 8hf + 2qd + {0, 1} (kk, hf ∈ {0, 1}); the quad (xor 1, 2) covers all 32.
+        u32 pb[2][2][4]; // [n-tile][kk][b0 hi, b1 hi, b0 lo, b1 lo]
+        float corr[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int h = warp + ATTN_WARPS * r;
-            if (h < G) {
-                float s = NEG_INF;
-                if (lane < n) {
-                    s = red_s[lane * 16 + h];
+        for (int nt = 0; nt < 2; ++nt)
+            if (nt < NT) {
+                const int h = nt * 8 + gq;
+                float sv[2][2][2];
+                float mx = NEG_INF;
 #pragma unroll
-                    for (int k = 1; k < ATTN_KGROUPS; ++k) s += red_s[(k * ATTN_TILE + lane) * 16 + h];
+                for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int t = kk * 16 + hf * 8 + 2 * qd;
+                        float2 v = *(const float2*)(red_s + h * ATTN_RED_PITCH + t);
+#pragma unroll
+                        for (int k = 1; k < ATTN_KGROUPS; ++k) {
+                            const float2 w = *(const float2*)(red_s + (k * 16 + h) * ATTN_RED_PITCH + t);
+                            v.x += w.x;
+                            v.y += w.y;
+                        }
+                        sv[kk][hf][0] = t < n ? v.x : NEG_INF;
+                        sv[kk][hf][1] = t + 1 < n ? v.y : NEG_INF;
+                        mx = fmaxf(mx, fmaxf(sv[kk][hf][0], sv[kk][hf][1]));
+                    }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m_run[nt], mx); // finite: position base is live
+                float sum = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < 2; ++kk) {
+                    float pr[2][2];
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                        for (int x = 0; x < 2; ++x) {
+                            pr[hf][x] = expf(sv[kk][hf][x] - m_new); // 0 past the live rows
+                            sum += pr[hf][x];
+                        }
+                    attn_split_pair(pr[0][0], pr[0][1], pb[nt][kk][0], pb[nt][kk][2]);
+                    attn_split_pair(pr[1][0], pr[1][1], pb[nt][kk][1], pb[nt][kk][3]);
                 }
-                const float m_new = fmaxf(m_run[r], warp_max(s));
-                const float pr = lane < n ? expf(s - m_new) : 0.0f;
-                const float corr = expf(m_run[r] - m_new); // 0 on the first tile (m = −inf)
-                l_run[r] = l_run[r] * corr + warp_sum(pr);
-                m_run[r] = m_new;
-                const u16 hi = f32_to_bf16(pr);
-                p_s[h * ATTN_P_PITCH + lane] = hi;
-                p_s[(16 + h) * ATTN_P_PITCH + lane] = f32_to_bf16(pr - bf16_to_f32(hi));
-                if (lane == 0) corr_s[h] = corr;
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                corr[nt] = expf(m_run[nt] - m_new); // 0 on the first tile (m = −inf)
+                l_run[nt] = l_run[nt] * corr[nt] + sum;
+                m_run[nt] = m_new;
             }
-        }
-        __syncthreads(); // P and the rescale factors complete
-        // Oᵀ[d, h] = corr_h·Oᵀ[d, h] + Σ_t V[t, d]·P[h, t]
+        // Oᵀ[d, h] = corr_h·Oᵀ[d, h] + Σ_t V[t, d]·P[h, t]; corr of heads 2qd, 2qd + 1 from the
+        // quads that hold them.
+        float c_col[2][2];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+            if (nt < NT) {
+                c_col[nt][0] = __shfl_sync(0xffffffffu, corr[nt], 8 * qd);
+                c_col[nt][1] = __shfl_sync(0xffffffffu, corr[nt], 8 * qd + 4);
+            }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const int md = warp + ATTN_WARPS * j;
@@ -578,11 +704,10 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt)
                     if (nt < NT) {
-                        const float c0 = corr_s[nt * 8 + 2 * qd], c1 = corr_s[nt * 8 + 2 * qd + 1];
-                        o[j][nt][0] *= c0;
-                        o[j][nt][1] *= c1;
-                        o[j][nt][2] *= c0;
-                        o[j][nt][3] *= c1;
+                        o[j][nt][0] *= c_col[nt][0];
+                        o[j][nt][1] *= c_col[nt][1];
+                        o[j][nt][2] *= c_col[nt][0];
+                        o[j][nt][3] *= c_col[nt][1];
                     }
 #pragma unroll
                 for (int kk = 0; kk < ATTN_TILE / 16; ++kk) {
@@ -592,27 +717,27 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
 #pragma unroll
                     for (int nt = 0; nt < 2; ++nt)
                         if (nt < NT) {
-                            const u16* ph = p_s + (nt * 8 + gq) * ATTN_P_PITCH + kk * 16 + 2 * qd;
-                            const u16* pl = ph + 16 * ATTN_P_PITCH;
-                            attn_mma(o[j][nt], a, *(const u32*)ph, *(const u32*)(ph + 8));
-                            attn_mma(o[j][nt], a, *(const u32*)pl, *(const u32*)(pl + 8));
+                            attn_mma(o[j][nt], a, pb[nt][kk][0], pb[nt][kk][1]);
+                            attn_mma(o[j][nt], a, pb[nt][kk][2], pb[nt][kk][3]);
                         }
                 }
             }
         }
     }
-    attn_cp_wait<0>(); // only empty groups remain; nothing in flight when the ring is reused below
+    attn_cp_wait<0>(); // only empty groups remain; nothing in flight at exit
 
-    // Partials: m, l by the softmax warps; acc from the C fragments (d 16·md + gq (+8), head 2qd (+1)).
+    // Partials: m, l from warp 0 (lane 4·gq holds head 8nt + gq); acc from the C fragments
+    // (d 16·md + gq (+8), head 2qd (+1)).
+    if (warp == 0 && qd == 0)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int h = warp + ATTN_WARPS * r;
-        if (h < G && lane == 0) {
-            const i64 slot = (i64)(kvh * G + h) * p.nsplit + split;
-            ((float*)p.part_m)[slot] = m_run[r];
-            ((float*)p.part_l)[slot] = l_run[r];
+        for (int nt = 0; nt < 2; ++nt) {
+            const int h = nt * 8 + gq;
+            if (nt < NT && h < G) {
+                const i64 slot = (i64)(kvh * G + h) * p.nsplit + split;
+                ((float*)p.part_m)[slot] = m_run[nt];
+                ((float*)p.part_l)[slot] = l_run[nt];
+            }
         }
-    }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         const int md = warp + ATTN_WARPS * j;
@@ -632,17 +757,11 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
     const int ngroups = (nsp + ATTN_GROUP - 1) / ATTN_GROUP;
     unsigned* tickets = (unsigned*)p.tickets + (i64)kvh * (1 + (p.nsplit + ATTN_GROUP - 1) / ATTN_GROUP);
     if (!arrive_last(tickets + 1 + group, min(ATTN_GROUP, nsp - first), &last_s)) return;
-    float* w_s = (float*)kv_s + warp * ATTN_MAX_MERGE; // the ring is idle (arrive_last synchronised)
-    for (int h = warp; h < G; h += ATTN_WARPS) {
-        merge_partials(p, kvh * G + h, first, 1, min(ATTN_GROUP, nsp - first), w_s, ngroups == 1);
-        __syncwarp(); // w_s is rewritten by the next head
-    }
+    for (int h = warp; h < G; h += ATTN_WARPS)
+        merge_partials(p, kvh * G + h, first, 1, min(ATTN_GROUP, nsp - first), ngroups == 1);
     if (ngroups == 1) return;
     if (!arrive_last(tickets, ngroups, &last_s)) return;
-    for (int h = warp; h < G; h += ATTN_WARPS) {
-        merge_partials(p, kvh * G + h, 0, ATTN_GROUP, ngroups, w_s, true);
-        __syncwarp();
-    }
+    for (int h = warp; h < G; h += ATTN_WARPS) merge_partials(p, kvh * G + h, 0, ATTN_GROUP, ngroups, true);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) attn_decode_bf16(const AttnDecodeParams p) {

@@ -133,8 +133,8 @@ const BF16_THREADS: usize = 256;
 const BF16_STAGES: usize = 3;
 /// Score partial sums per (position, head) in attn_decode_bf16 (attention.cu ATTN_KGROUPS).
 const BF16_KGROUPS: usize = 4;
-/// bf16 per row of P [head][position] (attention.cu ATTN_P_PITCH).
-const BF16_P_PITCH: usize = 40;
+/// f32 per row of the score partials [kgroup][head][position] (attention.cu ATTN_RED_PITCH).
+const BF16_RED_PITCH: usize = 40;
 
 /// Threads per block of attn_decode: 32 per q head of a group (f32 cache), 256 (bf16 cache).
 pub fn decode_threads(spec: &ModelSpec, kv: KvDtype) -> usize {
@@ -147,9 +147,9 @@ pub fn decode_threads(spec: &ModelSpec, kv: KvDtype) -> usize {
 /// Dynamic shared memory of attn_decode (layouts in attention.cu).
 /// f32: q [G, Dh] f32, k and v of position p [Dh] f32 each, then the K and V tiles (reused for the
 /// merge weights [G, MAX_MERGE] f32 once the tiles are done).
-/// bf16: the K/V ring [STAGES, 2, TILE, Dh + 8] bf16 (later the merge weights), q rows and the k
-/// row [G + 1, Dh] f32 sharing bytes with the score partials [KGROUPS, TILE, 16] f32, K[p] and V[p]
-/// [2, Dh] bf16, P hi and lo [2, 16, P_PITCH] bf16, the rescale factors [16] f32.
+/// bf16: the K/V ring [STAGES, 2, TILE, Dh + 8] bf16, q rows and the k row [G + 1, Dh] f32 sharing
+/// bytes with the score partials [KGROUPS, 16, RED_PITCH] f32, K[p] and V[p] [2, Dh] bf16 (P and
+/// the softmax state live in registers; the merge uses no shared memory).
 pub fn decode_smem(spec: &ModelSpec, kv: KvDtype) -> usize {
     let g = spec.num_attention_heads / spec.num_key_value_heads;
     let dh = spec.head_dim;
@@ -161,9 +161,8 @@ pub fn decode_smem(spec: &ModelSpec, kv: KvDtype) -> usize {
         }
         KvDtype::Bf16 => {
             let ring = BF16_STAGES * 2 * TILE * (dh + 8) * 2;
-            let rows = ((g + 1) * dh).max(BF16_KGROUPS * TILE * 16) * 4;
-            // the ring (≥ 15 KB) always holds the merge weights (≤ 16·MAX_MERGE f32)
-            ring + rows + 2 * dh * 2 + 2 * 16 * BF16_P_PITCH * 2 + 16 * 4
+            let rows = ((g + 1) * dh).max(BF16_KGROUPS * 16 * BF16_RED_PITCH) * 4;
+            ring + rows + 2 * dh * 2
         }
     }
 }
