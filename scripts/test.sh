@@ -14,4 +14,4 @@ fi
 cargo build --release -p calla-cli
 cargo test --workspace --release 2>&1
 scripts/ci-nvrtc-check.sh "$venv"
-CALLA_BIN="$PWD/target/release/calla" "$venv/bin/python" -m pytest -q tests/python
+CALLA_BIN="${CARGO_TARGET_DIR:-$PWD/target}/release/calla" "$venv/bin/python" -m pytest -q tests/python
