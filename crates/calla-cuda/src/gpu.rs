@@ -66,6 +66,7 @@ fn module_of(function: &str) -> Option<&'static str> {
         ("select_", "select"),
         ("penalty_", "select"),
         ("fill_", "fill"),
+        ("grid_sync_", "grid_sync"),
         ("gemm_", "gemm"),
         ("prefill_dn_", "deltanet_prefill"),
         ("prefill_attn_", "attention_prefill"),

@@ -27,6 +27,7 @@ pub const ATTENTION: KernelSource = kernel_source!("attention");
 pub const MOE: KernelSource = kernel_source!("moe");
 pub const SELECT: KernelSource = kernel_source!("select");
 pub const FILL: KernelSource = kernel_source!("fill");
+pub const GRID_SYNC: KernelSource = kernel_source!("grid_sync");
 
 // The prompt (prefill) modules: kernels/mma.cuh (tensor-core helpers) is prepended to each.
 macro_rules! prefill_kernel_source {
@@ -59,6 +60,7 @@ pub const ALL: &[&KernelSource] = &[
     &MOE,
     &SELECT,
     &FILL,
+    &GRID_SYNC,
     &GEMM,
     &DELTANET_PREFILL,
     &ATTENTION_PREFILL,

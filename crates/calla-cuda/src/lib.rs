@@ -7,6 +7,7 @@ pub mod deltanet;
 pub mod forward;
 pub mod gpu;
 pub mod graph;
+pub mod grid_sync;
 pub mod kernels;
 pub mod matvec;
 pub mod moe;

@@ -17,3 +17,6 @@ mod select;
 
 #[path = "gpu/engine.rs"]
 mod engine;
+
+#[path = "gpu/grid_sync.rs"]
+mod grid_sync;

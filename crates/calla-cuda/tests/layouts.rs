@@ -24,6 +24,11 @@ fn parameter_structs_match_the_kernels() {
         ("SelectParams", size_of::<select::SelectParams>(), 88),
         ("PenaltyParams", size_of::<select::PenaltyParams>(), 48),
         ("FillParams", size_of::<synthetic::FillParams>(), 40),
+        (
+            "GridSyncCheckParams",
+            size_of::<grid_sync::GridSyncCheckParams>(),
+            40,
+        ),
         ("Cursor", size_of::<backend::Cursor>(), 16),
     ];
     for (name, got, want) in sizes {
