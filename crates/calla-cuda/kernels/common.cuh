@@ -543,6 +543,37 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
+// ---------------------------------------------------------------- grid-wide barrier
+// For persistent kernels: every block's thread 0 reads the generation, arrives on the counter
+// (atomicAdd) and, unless it is the last to arrive, spins until the generation moves; the last one
+// resets the counter and advances the generation. Fences on both sides publish each block's writes
+// before the barrier to every block after it. Needs every block of the grid resident at once (the
+// launchers size the grid from the occupancy query): otherwise the spinning blocks wait for blocks
+// that never start. Measured 1.77 µs on 132 blocks (tests/gpu/grid_sync.rs).
+struct GridSync {
+    u64 counter;    // u32, 0 between uses
+    u64 generation; // u32, any value
+};
+
+__device__ __forceinline__ void grid_barrier(const GridSync& s) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile u32* gen = (volatile u32*)s.generation;
+        const u32 seen = *gen;
+        __threadfence(); // this block's writes before its arrival
+        if (atomicAdd((u32*)s.counter, 1u) == gridDim.x - 1) {
+            *(volatile u32*)s.counter = 0u;
+            __threadfence();
+            atomicAdd((u32*)s.generation, 1u);
+        } else {
+            while (*gen == seen) {
+            }
+        }
+        __threadfence(); // every block's writes before anything after the barrier
+    }
+    __syncthreads();
+}
+
 // The per-step cursor, written by the host when it changes and advanced on the device by the token
 // selection kernel: the decode graph reads everything sequence-dependent through it.
 struct Cursor {

@@ -1,40 +1,10 @@
-// grid_sync.cu: a grid-wide barrier for persistent kernels (docs/persistent-decode.md), and the kernel
-// that checks and times it.
-//
-// grid_barrier: every block's thread 0 reads the generation, arrives on the counter (atomicAdd) and,
-// unless it is the last to arrive, spins until the generation moves; the last one resets the counter
-// and advances the generation. Fences on both sides publish each block's writes before the barrier
-// to every block after it. Needs every block of the grid resident at once (the launcher sizes the
-// grid from the occupancy query) — otherwise the spinning blocks wait for blocks that never start.
+// grid_sync.cu: the check and timing of common.cuh's grid-wide barrier (grid_barrier), which the
+// persistent kernels use between their phases (moe_persistent_*, docs/persistent-decode.md).
 //
 // grid_sync_check: `phases` barriers in a row. Before barrier k each block writes k into its slot of
 // `slots` [gridDim.x]; after it, every block checks that every slot holds k (a barrier that lets a
 // block through early shows up as a stale slot) and counts failures into `errors`. Grid: one or more
 // blocks per SM, all resident; block 256.
-
-struct GridSync {
-    u64 counter;    // u32, 0 between uses
-    u64 generation; // u32, any value
-};
-
-__device__ __forceinline__ void grid_barrier(const GridSync& s) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        volatile u32* gen = (volatile u32*)s.generation;
-        const u32 seen = *gen;
-        __threadfence(); // this block's writes before its arrival
-        if (atomicAdd((u32*)s.counter, 1u) == gridDim.x - 1) {
-            *(volatile u32*)s.counter = 0u;
-            __threadfence();
-            atomicAdd((u32*)s.generation, 1u);
-        } else {
-            while (*gen == seen) {
-            }
-        }
-        __threadfence(); // every block's writes before anything after the barrier
-    }
-    __syncthreads();
-}
 
 struct GridSyncCheckParams {
     GridSync sync;

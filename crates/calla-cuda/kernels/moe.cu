@@ -88,25 +88,51 @@ __device__ __forceinline__ void select_experts(const float (&lv)[SEL_PER_THREAD]
     __syncthreads();
 }
 
+// Router rows [item·rows_per_block, …) of this block's lane groups into logits (or, for the gate block,
+// the shared-expert gate row into logits[E]), from x̂ in shared memory.
+// Softmax + top-A over the logits written by router_rows (read back through L2), into sel_id/sel_p;
+// with `publish`, thread 0 also writes the normalised top-A list and the shared-expert weight for
+// moe_down. Ends with a barrier.
+__device__ __forceinline__ void route(const RouterParams& p, float4* sl4, int* sel_id, float* sel_p, float* red,
+                                      bool publish) {
+    const volatile float* logits = (const volatile float*)p.logits;
+    float lv[SEL_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < SEL_PER_THREAD; ++i) {
+        const int e = threadIdx.x + i * blockDim.x;
+        lv[i] = e < p.E ? logits[e] : NEG_INF;
+    }
+    select_experts(lv, p.E, p.A, sl4, sel_id, sel_p, red);
+    if (p.norm_topk) { // sel_p becomes the combine weight, the same in every block that routes
+        __shared__ float sel_sum;
+        if (threadIdx.x == 0) {
+            float sum = 0.0f;
+            for (int k = 0; k < p.A; ++k) sum += sel_p[k];
+            sel_sum = sum;
+        }
+        __syncthreads();
+        if (threadIdx.x < p.A) sel_p[threadIdx.x] = sel_p[threadIdx.x] / sel_sum;
+        __syncthreads();
+    }
+    if (publish && threadIdx.x == 0) {
+        for (int k = 0; k < p.A; ++k) {
+            ((int*)p.topk_ids)[k] = sel_id[k];
+            ((float*)p.topk_w)[k] = sel_p[k];
+        }
+        *(float*)p.shared_w = p.shared_gate ? sigmoid_f(logits[p.E]) : 1.0f;
+    }
+}
+
 template <int FMT>
-__device__ __forceinline__ void router_body(const RouterParams& p) {
+__device__ __forceinline__ void router_rows(const RouterParams& p, const float* xs, const float* usum, int item,
+                                            bool gate_block) {
     typedef Fmt<FMT> F;
-    extern __shared__ float4 smem4[];
-    float* xs = (float*)smem4;
-    float* usum = xs + xpad_len(p.D);
-    __shared__ float red[32];
     const int units = p.D / F::W, width = lanes_per_row(units);
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
     const int rows_per_block = blockDim.x / width * ROUTER_ROWS;
-    const bool gate_block = p.shared_gate && blockIdx.x == gridDim.x - 1;
-    griddep_launch_dependents();
-    griddep_wait();
-    stage_input<F::AFFINE ? F::W : 0>((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
     float* logits = (float*)p.logits;
-    if (blockIdx.x == 0)
-        for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
     if (!gate_block) {
-        const int row0 = blockIdx.x * rows_per_block + group * ROUTER_ROWS;
+        const int row0 = item * rows_per_block + group * ROUTER_ROWS;
         RowPtr rows[ROUTER_ROWS];
 #pragma unroll
         for (int i = 0; i < ROUTER_ROWS; ++i) rows[i] = row_ptr(p.router, min(row0 + i, p.E - 1));
@@ -126,6 +152,22 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
         acc = warp_sum(acc);
         if (threadIdx.x == 0) logits[p.E] = acc;
     }
+}
+
+template <int FMT>
+__device__ __forceinline__ void router_body(const RouterParams& p) {
+    typedef Fmt<FMT> F;
+    extern __shared__ float4 smem4[];
+    float* xs = (float*)smem4;
+    float* usum = xs + xpad_len(p.D);
+    __shared__ float red[32];
+    const bool gate_block = p.shared_gate && blockIdx.x == gridDim.x - 1;
+    griddep_launch_dependents();
+    griddep_wait();
+    stage_input<F::AFFINE ? F::W : 0>((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
+    if (blockIdx.x == 0)
+        for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
+    router_rows<FMT>(p, xs, usum, blockIdx.x, gate_block);
     // The last block to finish selects (one block of 256 threads: ~1 µs; done in every gate/up block
     // instead it cost ~7 µs per launch, measured).
     __shared__ int is_last;
@@ -138,23 +180,8 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     __shared__ float4 sl4[MOE_MAX_E / 4];
     __shared__ int sel_id[MOE_MAX_A];
     __shared__ float sel_p[MOE_MAX_A];
-    float lv[SEL_PER_THREAD];
-#pragma unroll
-    for (int i = 0; i < SEL_PER_THREAD; ++i) {
-        const int e = threadIdx.x + i * blockDim.x;
-        lv[i] = e < p.E ? ((volatile float*)logits)[e] : NEG_INF;
-    }
-    select_experts(lv, p.E, p.A, sl4, sel_id, sel_p, red);
-    if (threadIdx.x == 0) {
-        float sel_sum = 0.0f;
-        for (int k = 0; k < p.A; ++k) sel_sum += sel_p[k];
-        for (int k = 0; k < p.A; ++k) {
-            ((int*)p.topk_ids)[k] = sel_id[k];
-            ((float*)p.topk_w)[k] = p.norm_topk ? sel_p[k] / sel_sum : sel_p[k];
-        }
-        *(float*)p.shared_w = p.shared_gate ? sigmoid_f(((volatile float*)logits)[p.E]) : 1.0f;
-        *(u32*)p.counter = 0u;
-    }
+    route(p, sl4, sel_id, sel_p, red, true);
+    if (threadIdx.x == 0) *(u32*)p.counter = 0u;
 }
 
 struct GateUpParams {
@@ -167,6 +194,23 @@ struct GateUpParams {
     int D, I, Is, A, group_size, act_stride, slot_offset;
     float eps;
 };
+
+// One lane group's rows j0, j0 + 1 of a gate/up matrix (gate rows at row0, up rows at row0 + n):
+// act[j] = silu(gate_j)·up_j. Every lane of the warp must call it (group_sum), j0 past n or not.
+template <int FMT>
+__device__ __forceinline__ void gate_up_pair(const MatrixRef& m, i64 row0, int n, int j0, const float* xs,
+                                             const float* usum, int units, int lane, int width, int upg, float* act) {
+    const int j1 = j0 + 1;
+    const int c0 = min(j0, n - 1), c1 = min(j1, n - 1);
+    const RowPtr rows[4] = {row_ptr(m, row0 + c0), row_ptr(m, row0 + c1), row_ptr(m, row0 + n + c0),
+                            row_ptr(m, row0 + n + c1)};
+    float acc[4] = {};
+    rows_dot<FMT, 4, 2>(rows, xs, usum, units, lane, width, upg, acc);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = group_sum(acc[i], width);
+    if (lane == 0 && j0 < n) act[j0] = silu_f(acc[0]) * acc[2];
+    if (lane == 0 && j1 < n) act[j1] = silu_f(acc[1]) * acc[3];
+}
 
 template <int FMT>
 __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
@@ -186,19 +230,9 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
     const int units = p.D / F::W, width = lanes_per_row(units);
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
     const int pairs_per_pass = blockDim.x / width * 2;
-    for (int base = blockIdx.x * pairs_per_pass; base < n; base += gridDim.x * pairs_per_pass) {
-        const int j0 = base + group * 2, j1 = j0 + 1;
-        const int c0 = min(j0, n - 1), c1 = min(j1, n - 1);
-        const RowPtr rows[4] = {row_ptr(m, row0 + c0), row_ptr(m, row0 + c1), row_ptr(m, row0 + n + c0),
-                                row_ptr(m, row0 + n + c1)};
-        float acc[4] = {};
-        rows_dot<FMT, 4, 2>(rows, xs, usum, units, lane, width, F::AFFINE ? p.group_size / F::W : 1, acc);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i] = group_sum(acc[i], width);
-        float* act = (float*)p.act + (i64)slot * p.act_stride;
-        if (lane == 0 && j0 < n) act[j0] = silu_f(acc[0]) * acc[2];
-        if (lane == 0 && j1 < n) act[j1] = silu_f(acc[1]) * acc[3];
-    }
+    for (int base = blockIdx.x * pairs_per_pass; base < n; base += gridDim.x * pairs_per_pass)
+        gate_up_pair<FMT>(m, row0, n, base + group * 2, xs, usum, units, lane, width,
+                          F::AFFINE ? p.group_size / F::W : 1, (float*)p.act + (i64)slot * p.act_stride);
 }
 
 struct DownParams {
@@ -213,32 +247,17 @@ struct DownParams {
 #define DOWN_ROWS 2 // output rows per warp
 #define DOWN_UNITS 5 // units per row in flight per lane: 9 slots × 16 q4 units fit one pass of 32 lanes
 
+// One warp's DOWN_ROWS output rows from r0: h[r] += Σ over the slots [slot_begin, slot_end) of
+// w_s · down_s[r]·act_s, with the activations and their unit sums staged in shared memory and the
+// slots' experts and weights in slot_expert / slot_weight.
 template <int FMT>
-__device__ __forceinline__ void down_body(const DownParams& p) {
+__device__ __forceinline__ void down_rows(const DownParams& p, const float* acts, const float* usum,
+                                          const int* slot_expert, const float* slot_weight, int r0) {
     typedef Fmt<FMT> F;
-    // [slots, xpad_len(act_stride)] activations for slots [slot_begin, slot_end), then their Σ per
-    // unit [slots, act_stride / W]
-    extern __shared__ float4 smem4[];
-    float* acts = (float*)smem4;
-    __shared__ int slot_expert[MOE_MAX_A + 1];
-    __shared__ float slot_weight[MOE_MAX_A + 1];
-    griddep_launch_dependents();
-    griddep_wait();
-    const int nslots = p.slot_end - p.slot_begin, pitch = xpad_len(p.act_stride);
-    const int upr = p.act_stride / F::W; // units per activation row
-    float* usum = acts + nslots * pitch;
-    for (int s = threadIdx.x; s < nslots; s += blockDim.x) {
-        const int slot = p.slot_begin + s;
-        slot_expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
-        slot_weight[s] = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
-    }
-    // act_stride % 32 == 0 (the launcher checks), so the flat padded layout puts slot s's row at
-    // s·pitch and its unit sums at s·upr; its closing barrier also publishes slot_expert/weight
-    stage_input<F::AFFINE ? F::W : 0>((const float*)p.act + (i64)p.slot_begin * p.act_stride, nullptr, 0.0f,
-                                      nslots * p.act_stride, acts, usum, nullptr);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    const int r0 = (blockIdx.x * nwarps + warp) * DOWN_ROWS;
+    const int lane = threadIdx.x & 31;
     if (r0 >= p.D) return;
+    const int pitch = xpad_len(p.act_stride);
+    const int upr = p.act_stride / F::W; // units per activation row
     int r[DOWN_ROWS];
 #pragma unroll
     for (int i = 0; i < DOWN_ROWS; ++i) r[i] = min(r0 + i, p.D - 1);
@@ -295,6 +314,128 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
     }
 }
 
+template <int FMT>
+__device__ __forceinline__ void down_body(const DownParams& p) {
+    typedef Fmt<FMT> F;
+    // [slots, xpad_len(act_stride)] activations for slots [slot_begin, slot_end), then their Σ per
+    // unit [slots, act_stride / W]
+    extern __shared__ float4 smem4[];
+    float* acts = (float*)smem4;
+    __shared__ int slot_expert[MOE_MAX_A + 1];
+    __shared__ float slot_weight[MOE_MAX_A + 1];
+    griddep_launch_dependents();
+    griddep_wait();
+    const int nslots = p.slot_end - p.slot_begin, pitch = xpad_len(p.act_stride);
+    float* usum = acts + nslots * pitch;
+    for (int s = threadIdx.x; s < nslots; s += blockDim.x) {
+        const int slot = p.slot_begin + s;
+        slot_expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
+        slot_weight[s] = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
+    }
+    // act_stride % 32 == 0 (the launcher checks), so the flat padded layout puts slot s's row at
+    // s·pitch and its unit sums at s·upr; its closing barrier also publishes slot_expert/weight
+    stage_input<F::AFFINE ? F::W : 0>((const float*)p.act + (i64)p.slot_begin * p.act_stride, nullptr, 0.0f,
+                                      nslots * p.act_stride, acts, usum, nullptr);
+    const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    down_rows<FMT>(p, acts, usum, slot_expert, slot_weight, (blockIdx.x * nwarps + warp) * DOWN_ROWS);
+}
+
+// ---------------------------------------------------------------- the MoE block in one launch
+// moe_persistent_<router>_<experts>: router, routing, gate/up and down+combine+residual in one
+// launch whose phases are separated by grid barriers (common.cuh grid_barrier; the launcher sizes the
+// grid so every block is resident): the same arithmetic as the three launches above (the same device
+// functions), without two kernel boundaries and the router's ticketed tail. Each block stages x̂ once
+// for the router and gate/up phases. Phases:
+//   1. x̂ = rmsnorm(h)·gain in shared memory; router rows (and the shared-expert gate row) → logits
+//   2. (barrier) every block routes the same way (route: softmax + top-A, deterministic), block 0
+//      publishes the list; gate/up pairs of every slot, grid-strided → act
+//   3. (barrier) the slots' activations staged in shared memory; down rows, grid-strided; h += …
+struct MoePersistentParams {
+    RouterParams r;   // h, norm gain, router, shared gate, logits, top-A outputs, D, E, A, eps
+    GateUpParams g;   // experts, shared, act, I, Is, act_stride (x, norm_gain, topk_ids unused)
+    DownParams d;     // experts, shared, h, I, Is, A, act_stride, slot_end (the slots run [0, slot_end))
+    GridSync sync;
+};
+
+template <int RFMT, int EFMT>
+__device__ __forceinline__ void moe_persistent_body(const MoePersistentParams& p) {
+    typedef Fmt<RFMT> FR;
+    typedef Fmt<EFMT> FE;
+    extern __shared__ float4 smem4[];
+    float* xs = (float*)smem4;                    // [xpad_len(D)] x̂; phase 3: the activations
+    float* usum_r = xs + xpad_len(p.r.D);         // [D / router W]
+    float* usum_e = usum_r + p.r.D / FR::W;       // [D / expert W]
+    __shared__ float red[32];
+    __shared__ float4 sl4[MOE_MAX_E / 4];
+    __shared__ int sel_id[MOE_MAX_A];
+    __shared__ float sel_p[MOE_MAX_A];
+    __shared__ int slot_expert[MOE_MAX_A + 1];
+    __shared__ float slot_weight[MOE_MAX_A + 1];
+    // No griddep_launch_dependents: a dependent grid started early could take the SM room some of
+    // this grid's blocks need, and a grid barrier with a block not yet resident never opens.
+    griddep_wait();
+    const int D = p.r.D;
+    // ---- phase 1: x̂, router rows
+    stage_input<FR::AFFINE ? FR::W : 0>((const float*)p.r.h, (const float*)p.r.norm_gain, p.r.eps, D, xs, usum_r,
+                                        red);
+    if (FE::AFFINE) // the experts' unit sums (their unit may differ from the router's), in order
+        for (int u = threadIdx.x; u < D / FE::W; u += blockDim.x) {
+            const float* v = xs + xpad(u * FE::W);
+            float sum = 0.0f;
+            for (int j = 0; j < FE::W; ++j) sum += v[j];
+            usum_e[u] = sum;
+        }
+    {
+        const int width = lanes_per_row(D / FR::W);
+        const int row_items = (p.r.E + blockDim.x / width * ROUTER_ROWS - 1) / (blockDim.x / width * ROUTER_ROWS);
+        const int items = row_items + (p.r.shared_gate ? 1 : 0);
+        for (int item = blockIdx.x; item < items; item += gridDim.x)
+            router_rows<RFMT>(p.r, xs, usum_r, item, item == row_items);
+    }
+    grid_barrier(p.sync);
+    // ---- phase 2: routing (every block, identical), gate/up pairs
+    route(p.r, sl4, sel_id, sel_p, red, blockIdx.x == 0);
+    const int nslots = p.d.slot_end;
+    {
+        const int units = D / FE::W, width = lanes_per_row(units);
+        const int group = threadIdx.x / width, lane = threadIdx.x % width;
+        const int pairs_per_pass = blockDim.x / width * 2;
+        const int n_max = max(p.g.I, p.g.Is);
+        const int passes = (n_max + pairs_per_pass - 1) / pairs_per_pass;
+        for (int item = blockIdx.x; item < nslots * passes; item += gridDim.x) {
+            const int slot = item / passes, pass = item - slot * passes;
+            const bool routed = slot < p.r.A;
+            const int n = routed ? p.g.I : p.g.Is;
+            if (pass * pairs_per_pass >= n) continue; // uniform across the block
+            const MatrixRef m = routed ? p.g.experts : p.g.shared;
+            const i64 row0 = routed ? (i64)sel_id[slot] * 2 * p.g.I : 0;
+            gate_up_pair<EFMT>(m, row0, n, pass * pairs_per_pass + group * 2, xs, usum_e, units, lane, width,
+                               FE::AFFINE ? p.g.group_size / FE::W : 1, (float*)p.g.act + (i64)slot * p.g.act_stride);
+        }
+    }
+    grid_barrier(p.sync);
+    // ---- phase 3: down rows with the weighted combine and the residual
+    for (int s = threadIdx.x; s < nslots; s += blockDim.x) {
+        slot_expert[s] = s < p.r.A ? sel_id[s] : 0;
+        slot_weight[s] = s < p.r.A ? sel_p[s]
+                                   : (p.r.shared_gate ? sigmoid_f(((const volatile float*)p.r.logits)[p.r.E]) : 1.0f);
+    }
+    float* usum_d = xs + nslots * xpad_len(p.d.act_stride);
+    stage_input<FE::AFFINE ? FE::W : 0>((const float*)p.d.act, nullptr, 0.0f, nslots * p.d.act_stride, xs, usum_d,
+                                        nullptr); // its closing barrier publishes slot_expert / slot_weight
+    const int nwarps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    const int items = (D + nwarps * DOWN_ROWS - 1) / (nwarps * DOWN_ROWS);
+    for (int item = blockIdx.x; item < items; item += gridDim.x)
+        down_rows<EFMT>(p.d, xs, usum_d, slot_expert, slot_weight, (item * nwarps + warp) * DOWN_ROWS);
+}
+
+#define MOE_PERSISTENT_KERNEL(rs, es, RFMT, EFMT) \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_persistent_##rs##_##es(const MoePersistentParams p) { \
+        moe_persistent_body<RFMT, EFMT>(p); \
+    }
+MOE_PERSISTENT_KERNEL(q8, q4, FMT_Q8, FMT_Q4)
+MOE_PERSISTENT_KERNEL(q4, q4, FMT_Q4, FMT_Q4)
+
 // Blocks per SM gate/up is compiled for: 3 caps it at 85 registers so the 9 slots' 288 blocks fit one
 // wave (2 per SM leave 24 for a second wave).
 #ifndef MOE_GATE_UP_MIN_BLOCKS
@@ -314,3 +455,4 @@ MOE_KERNELS(q8, FMT_Q8)
 static_assert(sizeof(RouterParams) == 128, "RouterParams layout differs from its Rust twin");
 static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
 static_assert(sizeof(DownParams) == 136, "DownParams layout differs from its Rust twin");
+static_assert(sizeof(MoePersistentParams) == 408, "MoePersistentParams layout differs from its Rust twin");

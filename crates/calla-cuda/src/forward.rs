@@ -97,6 +97,8 @@ pub struct Scratch {
     pub topk_w: DPtr,
     pub shared_w: DPtr,
     pub router_counter: DPtr,
+    /// the persistent MoE launch's grid barrier (counter zeroed, generation)
+    pub moe_sync: crate::grid_sync::GridSync,
     pub act: DPtr,
     pub act_stride: usize,
     pub one: DPtr,
@@ -150,6 +152,10 @@ impl Scratch {
             topk_w: f32s(a)?,
             shared_w: f32s(1)?,
             router_counter: f32s(1)?,
+            moe_sync: crate::grid_sync::GridSync {
+                counter: f32s(1)?.0,
+                generation: f32s(1)?.0,
+            },
             act: f32s((a + 1) * act_stride)?,
             act_stride,
             one: f32s(1)?,
@@ -329,7 +335,15 @@ pub fn ffn_launches(
                 shared: m.shared.as_ref().map(|(a, b)| (a, b)),
                 shared_gate: m.shared_gate,
             };
-            out.extend(moe::moe(gpu, &w, &io)?);
+            let persistent = if moe::persistent_enabled() {
+                moe::moe_persistent(gpu, &w, &io, s.moe_sync)?
+            } else {
+                None
+            };
+            match persistent {
+                Some(l) => out.push(l),
+                None => out.extend(moe::moe(gpu, &w, &io)?),
+            }
         }
         (DevFfn::Dense(m), FeedForwardSpec::Dense { .. }) => {
             out.extend(moe::dense_mlp(gpu, &m.gate_up, &m.down, &io)?)

@@ -4,6 +4,8 @@
 use anyhow::{ensure, Result};
 
 use crate::gpu::{DPtr, Gpu, Launch};
+use crate::grid_sync::GridSync;
+use crate::weights::Format;
 use crate::weights::{DevMatrix, MatrixRef};
 
 pub const THREADS: u32 = 256;
@@ -342,4 +344,121 @@ pub fn dense_mlp(
         gate_up_launch(gpu, io, io.h, true, None, Some(gate_up), (0, 1))?,
         down_launch(gpu, io, None, Some((down, io.one)), 0, (0, 1))?,
     ])
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MoePersistentParams {
+    pub r: RouterParams,
+    pub g: GateUpParams,
+    pub d: DownParams,
+    pub sync: GridSync,
+}
+
+/// Whether the decode step runs the MoE block as one persistent launch (moe_persistent_*) when the
+/// formats allow it. CALLA_MOE_PERSISTENT=0 turns it off (the three-launch chain).
+pub fn persistent_enabled() -> bool {
+    std::env::var("CALLA_MOE_PERSISTENT").map_or(true, |v| v != "0")
+}
+
+/// The sparse MoE block as one launch whose phases are separated by grid barriers (moe.cu
+/// `moe_persistent_*`), or None when the weights' formats have no such kernel (then use [`moe`]):
+/// router q8 or q4, routed and shared experts q4 with one group size. `sync` is a barrier's
+/// device state (counter zeroed once).
+pub fn moe_persistent(
+    gpu: &Gpu,
+    w: &MoeWeightsRef,
+    io: &MoeIo,
+    sync: GridSync,
+) -> Result<Option<Launch>> {
+    let d = w.router.cols;
+    let (e, a) = (w.experts, w.top_k);
+    let expert_q4 = |m: &DevMatrix| m.format == Format::Q4 && m.group_size == w.gate_up.group_size;
+    let shared_ok = w
+        .shared
+        .is_none_or(|(gu, dn)| expert_q4(gu) && expert_q4(dn));
+    if !(matches!(w.router.format, Format::Q8 | Format::Q4)
+        && expert_q4(w.gate_up)
+        && expert_q4(w.down)
+        && shared_ok
+        && e <= MAX_EXPERTS
+        && a <= MAX_ACTIVE
+        && io.act_stride % 32 == 0)
+    {
+        return Ok(None);
+    }
+    crate::matvec::check_staged_input(d, true)?;
+    let i = w.gate_up.rows / (2 * e);
+    ensure!(
+        w.gate_up.rows == 2 * e * i && w.down.rows == e * d && w.down.cols == i,
+        "expert shapes inconsistent"
+    );
+    let is = w.shared.map(|(gu, _)| gu.rows / 2).unwrap_or(0);
+    let slots = a + w.shared.is_some() as usize;
+    let group_size = w.gate_up.group_size.max(1) as i32;
+    let p = MoePersistentParams {
+        r: RouterParams {
+            h: io.h.0,
+            norm_gain: io.norm_gain.0,
+            router: w.router.kref(),
+            shared_gate: w.shared_gate.map(|g| g.0).unwrap_or(0),
+            xn: io.xn.0,
+            logits: io.logits.0,
+            topk_ids: io.topk_ids.0,
+            topk_w: io.topk_w.0,
+            shared_w: io.shared_w.0,
+            counter: io.counter.0,
+            d: d as i32,
+            e: e as i32,
+            a: a as i32,
+            norm_topk: w.norm_topk as i32,
+            group_size: w.router.group_size.max(1) as i32,
+            eps: io.eps,
+        },
+        g: GateUpParams {
+            experts: w.gate_up.kref(),
+            shared: w.shared.map(|(gu, _)| gu.kref()).unwrap_or_default(),
+            act: io.act.0,
+            d: d as i32,
+            i: i as i32,
+            is: is as i32,
+            a: a as i32,
+            group_size,
+            act_stride: io.act_stride as i32,
+            ..Default::default()
+        },
+        d: DownParams {
+            act: io.act.0,
+            experts: w.down.kref(),
+            shared: w.shared.map(|(_, dn)| dn.kref()).unwrap_or_default(),
+            h: io.h.0,
+            d: d as i32,
+            i: i as i32,
+            is: is as i32,
+            a: a as i32,
+            group_size,
+            act_stride: io.act_stride as i32,
+            slot_begin: 0,
+            slot_end: slots as i32,
+            ..Default::default()
+        },
+        sync,
+    };
+    let name = format!("moe_persistent_{}_q4", w.router.format.suffix());
+    // x̂ with the router's and the experts' unit sums (phases 1–2), then the slots' activations with
+    // theirs (phase 3), in the same bytes
+    let floats = (crate::matvec::xpad_len(d) + d / w.router.format.per_unit() + d / 32)
+        .max(slots * (crate::matvec::xpad_len(io.act_stride) + io.act_stride / 32));
+    let smem = (floats * 4) as u32;
+    // every block resident at once, or the grid barrier never opens
+    let resident = gpu.resident_blocks(&name, THREADS, smem)?;
+    let grid = gpu.sm_count as usize * resident;
+    Ok(Some(Launch::new(
+        gpu,
+        &name,
+        (grid as u32, 1, 1),
+        THREADS,
+        smem,
+        &p,
+    )?))
 }

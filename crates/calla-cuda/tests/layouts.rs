@@ -19,6 +19,11 @@ fn parameter_structs_match_the_kernels() {
         ("RouterParams", size_of::<moe::RouterParams>(), 128),
         ("GateUpParams", size_of::<moe::GateUpParams>(), 128),
         ("DownParams", size_of::<moe::DownParams>(), 136),
+        (
+            "MoePersistentParams",
+            size_of::<moe::MoePersistentParams>(),
+            408,
+        ),
         ("SelectConfig", size_of::<select::SelectConfig>(), 64),
         ("SelectResult", size_of::<select::SelectResult>(), 176),
         ("SelectParams", size_of::<select::SelectParams>(), 88),
