@@ -356,9 +356,11 @@ pub struct MoePersistentParams {
 }
 
 /// Whether the decode step runs the MoE block as one persistent launch (moe_persistent_*) when the
-/// formats allow it. CALLA_MOE_PERSISTENT=0 turns it off (the three-launch chain).
+/// formats allow it: CALLA_MOE_PERSISTENT=1. Off by default: correct (the GPU tests pass with it) but
+/// measured slower, 33.0 µs per layer against 28.2 for the three launches at c1198e9, because every
+/// block repeats the top-8 selection (~7 µs of ALU, as when gate/up did it); docs/performance.md.
 pub fn persistent_enabled() -> bool {
-    std::env::var("CALLA_MOE_PERSISTENT").map_or(true, |v| v != "0")
+    std::env::var("CALLA_MOE_PERSISTENT").is_ok_and(|v| v == "1")
 }
 
 /// The sparse MoE block as one launch whose phases are separated by grid barriers (moe.cu
