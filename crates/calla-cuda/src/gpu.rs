@@ -179,13 +179,7 @@ impl Gpu {
     /// fit on one SM at once (registers, shared memory, threads), at least 1.
     pub fn resident_blocks(&self, name: &str, block: u32, smem: u32) -> Result<usize> {
         let f = self.function(name)?;
-        if smem > 48 * 1024 {
-            f.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .with_context(|| format!("{name}: {smem} bytes of shared memory"))?;
-        }
+        allow_dynamic_smem(&f, name, smem)?;
         let n = f
             .occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)
             .with_context(|| format!("occupancy of {name} (block {block}, smem {smem})"))?;
@@ -333,6 +327,19 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// Kernels that use more than 48 KiB of dynamic shared memory must say so before they are launched
+/// or their occupancy is asked.
+fn allow_dynamic_smem(f: &CudaFunction, name: &str, smem: u32) -> Result<()> {
+    if smem > 48 * 1024 {
+        f.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .with_context(|| format!("{name}: {smem} bytes of shared memory"))?;
+    }
+    Ok(())
+}
+
 /// One recorded kernel launch: everything cuLaunchKernel needs, parameter bytes included, so a
 /// step can be run directly or captured into a graph and replayed.
 #[derive(Clone)]
@@ -356,13 +363,7 @@ impl Launch {
         params: &P,
     ) -> Result<Launch> {
         let func = gpu.function(name)?;
-        if smem > 48 * 1024 {
-            func.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .with_context(|| format!("{name}: {smem} bytes of shared memory"))?;
-        }
+        allow_dynamic_smem(&func, name, smem)?;
         let size = std::mem::size_of::<P>();
         let mut words = vec![0u64; size.div_ceil(8)];
         // SAFETY: P is a plain #[repr(C)] struct of integers/floats (Copy); we copy its bytes.

@@ -215,6 +215,28 @@ fn down_launch(
     )
 }
 
+/// The router launch's parameters (also phase 1 of the persistent MoE kernel).
+fn router_params(w: &MoeWeightsRef, io: &MoeIo) -> RouterParams {
+    RouterParams {
+        h: io.h.0,
+        norm_gain: io.norm_gain.0,
+        router: w.router.kref(),
+        shared_gate: w.shared_gate.map(|g| g.0).unwrap_or(0),
+        xn: io.xn.0,
+        logits: io.logits.0,
+        topk_ids: io.topk_ids.0,
+        topk_w: io.topk_w.0,
+        shared_w: io.shared_w.0,
+        counter: io.counter.0,
+        d: w.router.cols as i32,
+        e: w.experts as i32,
+        a: w.top_k as i32,
+        norm_topk: w.norm_topk as i32,
+        group_size: w.router.group_size.max(1) as i32,
+        eps: io.eps,
+    }
+}
+
 /// The sparse MoE block: router+top-k, gate/up, down+combine+residual (3 launches when the shared
 /// expert has the routed experts' format; 5 otherwise).
 pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
@@ -230,24 +252,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
         "expert shapes inconsistent"
     );
     crate::matvec::check_staged_input(d, true)?;
-    let p = RouterParams {
-        h: io.h.0,
-        norm_gain: io.norm_gain.0,
-        router: w.router.kref(),
-        shared_gate: w.shared_gate.map(|g| g.0).unwrap_or(0),
-        xn: io.xn.0,
-        logits: io.logits.0,
-        topk_ids: io.topk_ids.0,
-        topk_w: io.topk_w.0,
-        shared_w: io.shared_w.0,
-        counter: io.counter.0,
-        d: d as i32,
-        e: e as i32,
-        a: a as i32,
-        norm_topk: w.norm_topk as i32,
-        group_size: w.router.group_size.max(1) as i32,
-        eps: io.eps,
-    };
+    let p = router_params(w, io);
     let width = crate::matvec::lanes_per_row(d / w.router.format.per_unit());
     let rows_per_block = THREADS as usize / width * ROUTER_ROWS;
     // one more block computes the shared-expert gate row
@@ -399,24 +404,7 @@ pub fn moe_persistent(
     let slots = a + w.shared.is_some() as usize;
     let group_size = w.gate_up.group_size.max(1) as i32;
     let p = MoePersistentParams {
-        r: RouterParams {
-            h: io.h.0,
-            norm_gain: io.norm_gain.0,
-            router: w.router.kref(),
-            shared_gate: w.shared_gate.map(|g| g.0).unwrap_or(0),
-            xn: io.xn.0,
-            logits: io.logits.0,
-            topk_ids: io.topk_ids.0,
-            topk_w: io.topk_w.0,
-            shared_w: io.shared_w.0,
-            counter: io.counter.0,
-            d: d as i32,
-            e: e as i32,
-            a: a as i32,
-            norm_topk: w.norm_topk as i32,
-            group_size: w.router.group_size.max(1) as i32,
-            eps: io.eps,
-        },
+        r: router_params(w, io),
         g: GateUpParams {
             experts: w.gate_up.kref(),
             shared: w.shared.map(|(gu, _)| gu.kref()).unwrap_or_default(),
