@@ -2,9 +2,10 @@
 //!
 //!   embed(cursor.token) → h
 //!   per layer:  DeltaNet: matvec[qkv|z|b|a](rmsnorm(h)) → deltanet_decode → h += out_proj·y
-//!               attention: matvec[q+gate|k|v](rmsnorm(h)) → prep → split-KV decode → combine+gate
-//!                          → h += o_proj·y
+//!               attention: matvec[q+gate|k|v](rmsnorm(h)) → attn_decode (norm + RoPE + cache append,
+//!                          split-KV on tensor cores, merge + gate: one launch) → h += o_proj·y
 //!               MoE: router+top-k(rmsnorm(h)) → gate/up (routed + shared) → h += down+combine
+//!                    (or, with CALLA_MOE_PERSISTENT=1, the three as one launch with grid barriers)
 //!   head: logits = lm_head·rmsnorm(h) → select (argmax / sampling, advances the cursor)
 //!
 //! Everything that changes between steps (token, position, the sequence's state address, sampling
