@@ -24,6 +24,7 @@ pub mod deltanet_prefill;
 pub mod gemm;
 pub mod moe_prefill;
 pub mod prefill_layer;
+pub mod prefill_scratch;
 pub mod prompt_precision;
 
 pub use attention::KvDtype;
