@@ -419,38 +419,6 @@ __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
 #define ATTN_KGROUPS 4    // score partial sums per (position, head)
 #define ATTN_RED_PITCH 40 // f32 per score-partial row [kgroup][head][position]: float2 reads conflict-free
 
-// Helpers as in mma.cuh (not prepended to this module).
-__device__ __forceinline__ u32 attn_smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-// 16-byte global → shared copy; src_bytes = 0 writes zeros.
-__device__ __forceinline__ void attn_cp_async16(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void attn_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void attn_cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ void attn_ldsm_x4(u32 addr, u32* r) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void attn_ldsm_x4_trans(u32 addr, u32* r) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-// c += a·b (16×16 · 16×8, bf16 operands, f32 accumulators); fragments as documented in mma.cuh.
-__device__ __forceinline__ void attn_mma(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 // (x0, x1) → packed bf16 hi pair and lo pair (x ≈ hi + lo), low half = x0.
 __device__ __forceinline__ void attn_split_pair(float x0, float x1, u32& hi, u32& lo) {
     const u16 h0 = f32_to_bf16(x0), h1 = f32_to_bf16(x1);
@@ -463,15 +431,15 @@ __device__ __forceinline__ void attn_split_pair(float x0, float x1, u32& hi, u32
 __device__ __forceinline__ void attn_issue_tile(u16* stage, const u16* kc, const u16* vc, int base, int n,
                                                 int skip_row, int Dh) {
     const int kp = k_pitch<u16>(Dh), cpr = Dh / 8; // 16-byte chunks per row
-    const u32 ks = attn_smem_u32(stage), vs = ks + ATTN_TILE * kp * 2;
+    const u32 ks = smem_addr(stage), vs = ks + ATTN_TILE * kp * 2;
     for (int i = threadIdx.x; i < ATTN_TILE * cpr; i += blockDim.x) {
         const int r = i / cpr, c = i - r * cpr;
         if (r == skip_row) continue;
         const bool live = r < n;
         const i64 src = (i64)(base + (live ? r : 0)) * Dh + c * 8;
         const u32 dst = (u32)(r * kp + c * 8) * 2;
-        attn_cp_async16(ks + dst, kc + src, live ? 16 : 0);
-        attn_cp_async16(vs + dst, vc + src, live ? 16 : 0);
+        cp_async16(ks + dst, kc + src, live ? 16 : 0);
+        cp_async16(vs + dst, vc + src, live ? 16 : 0);
     }
 }
 
@@ -535,7 +503,7 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
             tile_rows(i, base, n, p_row);
             attn_issue_tile(kv_s + i * stage_elems, kc, vc, base, n, p_row, Dh);
         }
-        attn_cp_commit();
+        cp_async_commit();
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -593,7 +561,7 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         tile_rows(i, base, n, p_row);
         u16* ks = kv_s + (i % ATTN_STAGES) * stage_elems;
         u16* vs = ks + ATTN_TILE * kp;
-        attn_cp_wait<ATTN_STAGES - 2>(); // this thread's copies of tile i have landed
+        cp_async_wait<ATTN_STAGES - 2>(); // this thread's copies of tile i have landed
         if (p_row >= 0)
             for (int d = tid; d < Dh; d += blockDim.x) {
                 ks[p_row * kp + d] = kvp_s[d];
@@ -607,7 +575,7 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
                 tile_rows(next, nb, nn, np);
                 attn_issue_tile(kv_s + (next % ATTN_STAGES) * stage_elems, kc, vc, nb, nn, np, Dh);
             }
-            attn_cp_commit();
+            cp_async_commit();
         }
         // scores: this warp's 16 positions × its d-chunks; hi and lo products in two chains
         float sh[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -618,12 +586,12 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
             if (c < nchunks) {
                 u32 a[4];
                 const int row = mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-                attn_ldsm_x4(attn_smem_u32(ks + row * kp + c * 16 + 8 * (lane >> 4)), a);
+                ldsm_x4(smem_addr(ks + row * kp + c * 16 + 8 * (lane >> 4)), a[0], a[1], a[2], a[3]);
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt)
                     if (nt < NT) {
-                        attn_mma(sh[nt], a, qb[j][nt][0], qb[j][nt][1]);
-                        attn_mma(sl[nt], a, qb[j][nt][2], qb[j][nt][3]);
+                        mma_bf16(sh[nt], a, qb[j][nt][0], qb[j][nt][1]);
+                        mma_bf16(sl[nt], a, qb[j][nt][2], qb[j][nt][3]);
                     }
             }
         }
@@ -713,18 +681,18 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
                 for (int kk = 0; kk < ATTN_TILE / 16; ++kk) {
                     u32 a[4];
                     const int row = kk * 16 + (lane & 7) + 8 * (lane >> 4);
-                    attn_ldsm_x4_trans(attn_smem_u32(vs + row * kp + md * 16 + 8 * ((lane >> 3) & 1)), a);
+                    ldsm_x4_trans(smem_addr(vs + row * kp + md * 16 + 8 * ((lane >> 3) & 1)), a[0], a[1], a[2], a[3]);
 #pragma unroll
                     for (int nt = 0; nt < 2; ++nt)
                         if (nt < NT) {
-                            attn_mma(o[j][nt], a, pb[nt][kk][0], pb[nt][kk][1]);
-                            attn_mma(o[j][nt], a, pb[nt][kk][2], pb[nt][kk][3]);
+                            mma_bf16(o[j][nt], a, pb[nt][kk][0], pb[nt][kk][1]);
+                            mma_bf16(o[j][nt], a, pb[nt][kk][2], pb[nt][kk][3]);
                         }
                 }
             }
         }
     }
-    attn_cp_wait<0>(); // only empty groups remain; nothing in flight at exit
+    cp_async_wait<0>(); // only empty groups remain; nothing in flight at exit
 
     // Partials: m, l from warp 0 (lane 4·gq holds head 8nt + gq); acc from the C fragments
     // (d 16·md + gq (+8), head 2qd (+1)).

@@ -110,81 +110,44 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 }
 
 // ---------------------------------------------------------------- weight formats
-// One format = how 16 bytes of codes (`w`) and their group's parameters turn into a dot product with
-// the matching activations `x` (f32, in shared memory). `pair` is the group's (scale, bias).
+// One format = how many weights 16 bytes of codes (`w`) hold (W), whether they are affine codes, and
+// how they decode to f32 with their group's (scale, bias). The decode dot products are UnitDot below.
 template <int FMT> struct Fmt;
 
 template <> struct Fmt<FMT_F32> {
     static constexpr int W = 4;
     static constexpr bool AFFINE = false;
-    __device__ static __forceinline__ float dot(uint4 w, const float* x, float, float) {
-        return __uint_as_float(w.x) * x[0] + __uint_as_float(w.y) * x[1] + __uint_as_float(w.z) * x[2] +
-               __uint_as_float(w.w) * x[3];
-    }
     __device__ static __forceinline__ void decode(uint4 w, float* out, float, float) {
         out[0] = __uint_as_float(w.x); out[1] = __uint_as_float(w.y);
         out[2] = __uint_as_float(w.z); out[3] = __uint_as_float(w.w);
     }
 };
 
-template <> struct Fmt<FMT_BF16> {
+// bf16 and f16: two values per u32 word, low half first, unpacked by the format's converters.
+template <int FMT> struct HalfPair;
+template <> struct HalfPair<FMT_BF16> {
+    __device__ static __forceinline__ float lo(u32 p) { return bf16_lo(p); }
+    __device__ static __forceinline__ float hi(u32 p) { return bf16_hi(p); }
+};
+template <> struct HalfPair<FMT_F16> {
+    __device__ static __forceinline__ float lo(u32 p) { return f16_lo(p); }
+    __device__ static __forceinline__ float hi(u32 p) { return f16_hi(p); }
+};
+template <int FMT> struct FmtHalf {
     static constexpr int W = 8;
     static constexpr bool AFFINE = false;
-    __device__ static __forceinline__ float dot(uint4 w, const float* x, float, float) {
-        float acc = bf16_lo(w.x) * x[0];
-        acc = fmaf(bf16_hi(w.x), x[1], acc);
-        acc = fmaf(bf16_lo(w.y), x[2], acc);
-        acc = fmaf(bf16_hi(w.y), x[3], acc);
-        acc = fmaf(bf16_lo(w.z), x[4], acc);
-        acc = fmaf(bf16_hi(w.z), x[5], acc);
-        acc = fmaf(bf16_lo(w.w), x[6], acc);
-        acc = fmaf(bf16_hi(w.w), x[7], acc);
-        return acc;
-    }
     __device__ static __forceinline__ void decode(uint4 w, float* out, float, float) {
-        out[0] = bf16_lo(w.x); out[1] = bf16_hi(w.x); out[2] = bf16_lo(w.y); out[3] = bf16_hi(w.y);
-        out[4] = bf16_lo(w.z); out[5] = bf16_hi(w.z); out[6] = bf16_lo(w.w); out[7] = bf16_hi(w.w);
+        typedef HalfPair<FMT> H;
+        out[0] = H::lo(w.x); out[1] = H::hi(w.x); out[2] = H::lo(w.y); out[3] = H::hi(w.y);
+        out[4] = H::lo(w.z); out[5] = H::hi(w.z); out[6] = H::lo(w.w); out[7] = H::hi(w.w);
     }
 };
+template <> struct Fmt<FMT_BF16> : FmtHalf<FMT_BF16> {};
+template <> struct Fmt<FMT_F16> : FmtHalf<FMT_F16> {};
 
-template <> struct Fmt<FMT_F16> {
-    static constexpr int W = 8;
-    static constexpr bool AFFINE = false;
-    __device__ static __forceinline__ float dot(uint4 w, const float* x, float, float) {
-        float acc = f16_lo(w.x) * x[0];
-        acc = fmaf(f16_hi(w.x), x[1], acc);
-        acc = fmaf(f16_lo(w.y), x[2], acc);
-        acc = fmaf(f16_hi(w.y), x[3], acc);
-        acc = fmaf(f16_lo(w.z), x[4], acc);
-        acc = fmaf(f16_hi(w.z), x[5], acc);
-        acc = fmaf(f16_lo(w.w), x[6], acc);
-        acc = fmaf(f16_hi(w.w), x[7], acc);
-        return acc;
-    }
-    __device__ static __forceinline__ void decode(uint4 w, float* out, float, float) {
-        out[0] = f16_lo(w.x); out[1] = f16_hi(w.x); out[2] = f16_lo(w.y); out[3] = f16_hi(w.y);
-        out[4] = f16_lo(w.z); out[5] = f16_hi(w.z); out[6] = f16_lo(w.w); out[7] = f16_hi(w.w);
-    }
-};
-
-// Σ (s·q + b)·x = s·Σ q·x + b·Σ x over the unit (all of a unit's weights share one group: G % W == 0).
 template <> struct Fmt<FMT_Q4> {
     static constexpr int W = 32;
     static constexpr bool AFFINE = true;
-    __device__ static __forceinline__ float dot(uint4 w, const float* x, float scale, float bias) {
-        float qx = 0.0f, sx = 0.0f;
-        const u32 words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float xv = x[i * 8 + j];
-                qx = fmaf((float)((words[i] >> (4 * j)) & 15u), xv, qx);
-                sx += xv;
-            }
-        }
-        return fmaf(scale, qx, bias * sx);
-    }
     __device__ static __forceinline__ void decode(uint4 w, float* out, float scale, float bias) {
         const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -197,20 +160,6 @@ template <> struct Fmt<FMT_Q4> {
 template <> struct Fmt<FMT_Q8> {
     static constexpr int W = 16;
     static constexpr bool AFFINE = true;
-    __device__ static __forceinline__ float dot(uint4 w, const float* x, float scale, float bias) {
-        float qx = 0.0f, sx = 0.0f;
-        const u32 words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float xv = x[i * 4 + j];
-                qx = fmaf((float)((words[i] >> (8 * j)) & 255u), xv, qx);
-                sx += xv;
-            }
-        }
-        return fmaf(scale, qx, bias * sx);
-    }
     __device__ static __forceinline__ void decode(uint4 w, float* out, float scale, float bias) {
         const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -264,39 +213,25 @@ template <int R> struct UnitDot<FMT_F32, R> {
     }
 };
 
-template <int R> struct UnitDot<FMT_BF16, R> {
+template <int FMT, int R> struct UnitDotHalf {
     __device__ static __forceinline__ void run(const uint4 (&w)[R], const float* x, float (&q)[R]) {
+        typedef HalfPair<FMT> H;
         const float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            float acc = bf16_lo(w[r].x) * a.x;
-            acc = fmaf(bf16_hi(w[r].x), a.y, acc);
-            acc = fmaf(bf16_lo(w[r].y), a.z, acc);
-            acc = fmaf(bf16_hi(w[r].y), a.w, acc);
-            acc = fmaf(bf16_lo(w[r].z), b.x, acc);
-            acc = fmaf(bf16_hi(w[r].z), b.y, acc);
-            acc = fmaf(bf16_lo(w[r].w), b.z, acc);
-            q[r] = fmaf(bf16_hi(w[r].w), b.w, acc);
+            float acc = H::lo(w[r].x) * a.x;
+            acc = fmaf(H::hi(w[r].x), a.y, acc);
+            acc = fmaf(H::lo(w[r].y), a.z, acc);
+            acc = fmaf(H::hi(w[r].y), a.w, acc);
+            acc = fmaf(H::lo(w[r].z), b.x, acc);
+            acc = fmaf(H::hi(w[r].z), b.y, acc);
+            acc = fmaf(H::lo(w[r].w), b.z, acc);
+            q[r] = fmaf(H::hi(w[r].w), b.w, acc);
         }
     }
 };
-
-template <int R> struct UnitDot<FMT_F16, R> {
-    __device__ static __forceinline__ void run(const uint4 (&w)[R], const float* x, float (&q)[R]) {
-        const float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float acc = f16_lo(w[r].x) * a.x;
-            acc = fmaf(f16_hi(w[r].x), a.y, acc);
-            acc = fmaf(f16_lo(w[r].y), a.z, acc);
-            acc = fmaf(f16_hi(w[r].y), a.w, acc);
-            acc = fmaf(f16_lo(w[r].z), b.x, acc);
-            acc = fmaf(f16_hi(w[r].z), b.y, acc);
-            acc = fmaf(f16_lo(w[r].w), b.z, acc);
-            q[r] = fmaf(f16_hi(w[r].w), b.w, acc);
-        }
-    }
-};
+template <int R> struct UnitDot<FMT_BF16, R> : UnitDotHalf<FMT_BF16, R> {};
+template <int R> struct UnitDot<FMT_F16, R> : UnitDotHalf<FMT_F16, R> {};
 
 // q4: 8 codes per u32 word, low nibble first. Returns Σ (16 + q)·x: the nibble shifted to mantissa
 // bits 19..22 under the exponent of 16.0 is the float 16 + q exactly (one shift and one LOP3, no
@@ -361,6 +296,27 @@ __device__ __forceinline__ float2 load_group_params(const MatrixRef& m, i64 row,
     r.x = bf16_lo(pair);
     r.y = bf16_hi(pair);
     return r;
+}
+
+// out[c] = row `row` of m dequantised to f32, c < D (the embedding gathers of both paths), with the
+// block's threads, one 16-byte unit each.
+template <int FMT>
+__device__ __forceinline__ void dequant_row(const MatrixRef& m, i64 row, int D, int group_size, float* out) {
+    typedef Fmt<FMT> F;
+    const u8* codes = (const u8*)m.data + row * m.row_bytes;
+    float vals[F::W];
+    for (int u = threadIdx.x; u < D / F::W; u += blockDim.x) {
+        const uint4 w = ld_nc_16(codes + (i64)u * 16);
+        float scale = 1.0f, bias = 0.0f;
+        if (F::AFFINE) {
+            const float2 g = load_group_params(m, row, (u * F::W) / group_size);
+            scale = g.x;
+            bias = g.y;
+        }
+        F::decode(w, vals, scale, bias);
+#pragma unroll
+        for (int j = 0; j < F::W; ++j) out[u * F::W + j] = vals[j];
+    }
 }
 
 // Where one row's codes and group parameters start.

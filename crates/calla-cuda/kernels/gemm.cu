@@ -420,25 +420,10 @@ struct EmbedRowsParams {
 
 template <int FMT>
 __device__ __forceinline__ void embed_rows_body(const EmbedRowsParams& p) {
-    typedef Fmt<FMT> F;
     const int t = blockIdx.x;
     int token = ((const int*)p.tokens)[t];
     token = token < 0 ? 0 : (token >= p.rows ? p.rows - 1 : token);
-    const u8* row = (const u8*)p.m.data + (i64)token * p.m.row_bytes;
-    float* out = (float*)p.out + (i64)t * p.D;
-    float vals[F::W];
-    for (int u = threadIdx.x; u < p.D / F::W; u += blockDim.x) {
-        const uint4 w = ld_nc_16(row + (i64)u * 16);
-        float scale = 1.0f, bias = 0.0f;
-        if (F::AFFINE) {
-            const float2 g = load_group_params(p.m, token, (u * F::W) / p.group_size);
-            scale = g.x;
-            bias = g.y;
-        }
-        F::decode(w, vals, scale, bias);
-#pragma unroll
-        for (int j = 0; j < F::W; ++j) out[u * F::W + j] = vals[j];
-    }
+    dequant_row<FMT>(p.m, token, p.D, p.group_size, (float*)p.out + (i64)t * p.D);
 }
 
 #define EMBED_ROWS_KERNEL(suffix, FMT) \

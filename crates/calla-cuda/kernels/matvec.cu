@@ -107,13 +107,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     }
 }
 
-// Blocks per SM the _r4 kernels are compiled for: 3 caps them at 85 registers (with a few spills) so
-// an in-projection's 385 blocks run in one wave instead of two (measured in docs/performance.md).
-#ifndef MATVEC_R4_MIN_BLOCKS
-#define MATVEC_R4_MIN_BLOCKS 1
-#endif
 #define MATVEC_KERNEL(name, FMT) \
-    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS, MATVEC_R4_MIN_BLOCKS) name##_r4(const MatvecParams p) { matvec_body<FMT, 4, 2>(p); } \
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) name##_r4(const MatvecParams p) { matvec_body<FMT, 4, 2>(p); } \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) name##_r2(const MatvecParams p) { matvec_body<FMT, 2, 4>(p); }
 MATVEC_KERNEL(matvec_f32, FMT_F32)
 MATVEC_KERNEL(matvec_bf16, FMT_BF16)
@@ -135,24 +130,9 @@ struct EmbedParams {
 
 template <int FMT>
 __device__ __forceinline__ void embed_body(const EmbedParams& p) {
-    typedef Fmt<FMT> F;
     int token = ((const Cursor*)p.cursor)->token;
     token = token < 0 ? 0 : (token >= p.rows ? p.rows - 1 : token);
-    const u8* row = (const u8*)p.m.data + (i64)token * p.m.row_bytes;
-    float* out = (float*)p.out;
-    float vals[F::W];
-    for (int u = threadIdx.x; u < p.D / F::W; u += blockDim.x) {
-        const uint4 w = ld_nc_16(row + (i64)u * 16);
-        float scale = 1.0f, bias = 0.0f;
-        if (F::AFFINE) {
-            const float2 g = load_group_params(p.m, token, (u * F::W) / p.group_size);
-            scale = g.x;
-            bias = g.y;
-        }
-        F::decode(w, vals, scale, bias);
-#pragma unroll
-        for (int j = 0; j < F::W; ++j) out[u * F::W + j] = vals[j];
-    }
+    dequant_row<FMT>(p.m, token, p.D, p.group_size, (float*)p.out);
 }
 
 #define EMBED_KERNEL(name, FMT) \

@@ -1,6 +1,6 @@
-// mma.cuh: tensor-core and async-copy helpers for the prompt (prefill) kernels, as inline PTX (no
-// toolkit header). Prepended (after common.cuh) to gemm.cu, attention_prefill.cu and the other
-// prefill modules by kernels.rs.
+// mma.cuh: tensor-core and async-copy helpers, as inline PTX (no toolkit header). Prepended (after
+// common.cuh) by kernels.rs to the modules that use them: the prompt (prefill) kernels and decode
+// attention.
 //
 // Fragments of mma.sync.m16n8k16 (bf16 in, f32 accumulate), lane = 4·g + q (g = lane/4, q = lane%4):
 //   A 16×16 row-major: a0 = (row g,   k 2q..2q+1)   a1 = (row g+8, k 2q..2q+1)
@@ -23,6 +23,8 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -42,10 +42,11 @@ struct RouterParams {
     float eps;
 };
 
-// Softmax + top-A of the router logits, by the router's last block, with all its threads: each logit's rank = how many logits beat it (ties: the lower id wins); ranks < A are the
-// top-A in order, each written by the one thread that owns it. The rank loop reads the logits as
+// Softmax + top-A of the router logits with all of a block's threads: each logit's rank = how many
+// logits beat it (ties: the lower id wins); ranks < A are the top-A in order, each written by the one
+// thread that owns it. The rank loop reads the logits as
 // float4 broadcasts with the compares unrolled (the first version, one dependent shared load per
-// compare, cost ~10 µs per launch; one warp doing A rounds of argmax ~7 µs). A NaN logit is never
+// compare, cost ~10 µs per launch in every gate/up block; one warp doing A rounds of argmax ~7 µs). A NaN logit is never
 // selected. `lv` holds this thread's logits e = threadIdx.x + i·blockDim.x. Ends with a barrier.
 //   sel_id[k], sel_p[k] = the k-th expert and its softmax probability.
 #define SEL_PER_THREAD (MOE_MAX_E / MOE_THREADS)
@@ -88,8 +89,6 @@ __device__ __forceinline__ void select_experts(const float (&lv)[SEL_PER_THREAD]
     __syncthreads();
 }
 
-// Router rows [item·rows_per_block, …) of this block's lane groups into logits (or, for the gate block,
-// the shared-expert gate row into logits[E]), from x̂ in shared memory.
 // Softmax + top-A over the logits written by router_rows (read back through L2), into sel_id/sel_p;
 // with `publish`, thread 0 also writes the normalised top-A list and the shared-expert weight for
 // moe_down. Ends with a barrier.
@@ -123,6 +122,8 @@ __device__ __forceinline__ void route(const RouterParams& p, float4* sl4, int* s
     }
 }
 
+// Router rows [item·rows_per_block, …) of this block's lane groups into logits (or, for the gate block,
+// the shared-expert gate row into logits[E]), from x̂ in shared memory.
 template <int FMT>
 __device__ __forceinline__ void router_rows(const RouterParams& p, const float* xs, const float* usum, int item,
                                             bool gate_block) {
@@ -247,6 +248,15 @@ struct DownParams {
 #define DOWN_ROWS 2 // output rows per warp
 #define DOWN_UNITS 5 // units per row in flight per lane: 9 slots × 16 q4 units fit one pass of 32 lanes
 
+// Flattened unit f of a down row → its slot s (the routed slots first, then the shared one) and its
+// unit within that slot's row; true when the slot is routed.
+__device__ __forceinline__ bool down_unit(int f, int n_routed, int units_r, int& s, int& unit) {
+    const bool routed = f < n_routed * units_r;
+    s = routed ? f / units_r : n_routed;
+    unit = routed ? f - s * units_r : f - n_routed * units_r;
+    return routed;
+}
+
 // One warp's DOWN_ROWS output rows from r0: h[r] += Σ over the slots [slot_begin, slot_end) of
 // w_s · down_s[r]·act_s, with the activations and their unit sums staged in shared memory and the
 // slots' experts and weights in slot_expert / slot_weight.
@@ -275,9 +285,8 @@ __device__ __forceinline__ void down_rows(const DownParams& p, const float* acts
         for (int k = 0; k < DOWN_UNITS; ++k) {
             const int f = f0 + k * 32;
             if (f < total) {
-                const bool is_routed = f < n_routed * units_r;
-                const int s = is_routed ? f / units_r : n_routed;
-                const int unit = is_routed ? f - s * units_r : f - n_routed * units_r;
+                int s, unit;
+                const bool is_routed = down_unit(f, n_routed, units_r, s, unit);
 #pragma unroll
                 for (int i = 0; i < DOWN_ROWS; ++i) {
                     const RowPtr row = is_routed ? row_ptr(ex, (i64)slot_expert[s] * p.D + r[i]) : row_ptr(sh, r[i]);
@@ -290,9 +299,8 @@ __device__ __forceinline__ void down_rows(const DownParams& p, const float* acts
         for (int k = 0; k < DOWN_UNITS; ++k) {
             const int f = f0 + k * 32;
             if (f < total) {
-                const bool is_routed = f < n_routed * units_r;
-                const int s = is_routed ? f / units_r : n_routed;
-                const int unit = is_routed ? f - s * units_r : f - n_routed * units_r;
+                int s, unit;
+                down_unit(f, n_routed, units_r, s, unit);
                 float q[DOWN_ROWS];
                 UnitDot<FMT, DOWN_ROWS>::run(w[k], acts + s * pitch + xpad(unit * F::W), q);
                 if (FMT == FMT_Q4) // UnitDot<Q4> returned Σ (16 + q)·x
@@ -439,14 +447,9 @@ __device__ __forceinline__ void moe_persistent_body(const MoePersistentParams& p
 MOE_PERSISTENT_KERNEL(q8, q4, FMT_Q8, FMT_Q4)
 MOE_PERSISTENT_KERNEL(q4, q4, FMT_Q4, FMT_Q4)
 
-// Blocks per SM gate/up is compiled for: 3 caps it at 85 registers so the 9 slots' 288 blocks fit one
-// wave (2 per SM leave 24 for a second wave).
-#ifndef MOE_GATE_UP_MIN_BLOCKS
-#define MOE_GATE_UP_MIN_BLOCKS 1
-#endif
 #define MOE_KERNELS(suffix, FMT) \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_router_##suffix(const RouterParams p) { router_body<FMT>(p); } \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_GATE_UP_MIN_BLOCKS) moe_gate_up_##suffix(const GateUpParams p) { gate_up_body<FMT>(p); } \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_gate_up_##suffix(const GateUpParams p) { gate_up_body<FMT>(p); } \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_down_##suffix(const DownParams p) { down_body<FMT>(p); }
 MOE_KERNELS(f32, FMT_F32)
 MOE_KERNELS(bf16, FMT_BF16)

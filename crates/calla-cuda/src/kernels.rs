@@ -23,14 +23,14 @@ macro_rules! kernel_source {
 
 pub const MATVEC: KernelSource = kernel_source!("matvec");
 pub const DELTANET: KernelSource = kernel_source!("deltanet");
-pub const ATTENTION: KernelSource = kernel_source!("attention");
 pub const MOE: KernelSource = kernel_source!("moe");
 pub const SELECT: KernelSource = kernel_source!("select");
 pub const FILL: KernelSource = kernel_source!("fill");
 pub const GRID_SYNC: KernelSource = kernel_source!("grid_sync");
 
-// The prompt (prefill) modules: kernels/mma.cuh (tensor-core helpers) is prepended to each.
-macro_rules! prefill_kernel_source {
+// The modules that use the tensor cores (the prompt path and decode attention): kernels/mma.cuh
+// (tensor-core and cp.async helpers) is prepended to each.
+macro_rules! mma_kernel_source {
     ($name:literal) => {
         KernelSource {
             name: $name,
@@ -47,10 +47,11 @@ macro_rules! prefill_kernel_source {
     };
 }
 
-pub const GEMM: KernelSource = prefill_kernel_source!("gemm");
-pub const DELTANET_PREFILL: KernelSource = prefill_kernel_source!("deltanet_prefill");
-pub const ATTENTION_PREFILL: KernelSource = prefill_kernel_source!("attention_prefill");
-pub const MOE_PREFILL: KernelSource = prefill_kernel_source!("moe_prefill");
+pub const ATTENTION: KernelSource = mma_kernel_source!("attention");
+pub const GEMM: KernelSource = mma_kernel_source!("gemm");
+pub const DELTANET_PREFILL: KernelSource = mma_kernel_source!("deltanet_prefill");
+pub const ATTENTION_PREFILL: KernelSource = mma_kernel_source!("attention_prefill");
+pub const MOE_PREFILL: KernelSource = mma_kernel_source!("moe_prefill");
 
 /// Every module, in load order.
 pub const ALL: &[&KernelSource] = &[
