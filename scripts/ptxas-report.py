@@ -16,8 +16,11 @@ kernels = root / "crates/calla-cuda/kernels"
 common = (kernels / "common.cuh").read_text()
 opts = [b"--std=c++17", b"--fmad=true", b"-default-device", b"--extra-device-vectorization", b"--gpu-architecture=sm_90a",
         b"--ptxas-options=-v"]
+MMA_MODULES = {"attention", "gemm", "deltanet_prefill", "attention_prefill", "moe_prefill"}
 for name in sys.argv[1:]:
-    src = common + "\n" + (kernels / f"{name}.cu").read_text()
+    # the tensor-core modules get kernels/mma.cuh first, as src/kernels.rs does
+    mma = (kernels / "mma.cuh").read_text() + "\n" if name in MMA_MODULES else ""
+    src = common + "\n" + mma + (kernels / f"{name}.cu").read_text()
     prog = ctypes.c_void_p()
     assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(), 0, None, None) == 0
     arr = (ctypes.c_char_p * len(opts))(*opts)

@@ -58,16 +58,6 @@ pub fn check_staged_input(k: usize, normalised: bool) -> Result<()> {
     Ok(())
 }
 
-/// Blocks per SM the matvec grid may use (CALLA_DECODE_RESIDENT, for measurements: fewer leave
-/// room on each SM for the next kernel to start early under programmatic dependent launch).
-fn resident_cap() -> usize {
-    std::env::var("CALLA_DECODE_RESIDENT")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n: &usize| n > 0)
-        .unwrap_or(usize::MAX)
-}
-
 /// common.cuh STAGE_BATCH: 8-float chunks of the input each thread loads at once.
 const STAGE_BATCH: usize = 4;
 
@@ -163,9 +153,7 @@ fn matvec_one(
     let smem = input_smem_bytes(k, format);
     // One wave: every block resident at once, grid-striding over the rows, so each block pays the
     // x̂ prologue once however many rows it takes.
-    let resident = gpu
-        .resident_blocks(&name, THREADS, smem)?
-        .min(resident_cap());
+    let resident = gpu.resident_blocks(&name, THREADS, smem)?;
     let grid = total
         .div_ceil(rows_per_pass)
         .min(gpu.sm_count as usize * resident)

@@ -121,15 +121,11 @@ fn gate_up_launch(
     slots: (usize, usize),
 ) -> Result<Launch> {
     let fmt = routed.map(|r| r.0).or(shared).expect("a slot").format;
-    let cols = routed
-        .map(|r| r.0.cols)
-        .or(shared.map(|s| s.cols))
-        .unwrap_or(0);
-    crate::matvec::check_staged_input(cols, norm)?;
     let d = routed
         .map(|r| r.0.cols)
         .or(shared.map(|s| s.cols))
         .unwrap_or(0);
+    crate::matvec::check_staged_input(d, norm)?;
     let (i, a) = routed.map(|r| (r.1, r.2)).unwrap_or((0, 0));
     let is = shared.map(|s| s.rows / 2).unwrap_or(0);
     let p = GateUpParams {

@@ -441,45 +441,38 @@ fn deltanet_decode_layer_against_cpu() {
         .0;
     }
     // Another head layout: Dk 64, Dv 48, Hv = 3·Hk, odd D.
-    let odd = deltanet_dims(192, 1, 3, 64, 48);
-    let w = random_weights(&odd, None, 32);
-    all &= deltanet_case("deltanet layer f32, odd heads", &odd, &w, 6, 1e-4, None).0;
     // Heads split unevenly over the 8 blocks of a cluster: Dv 36 → blocks of 4 and 5 columns;
-    // Dv 6 → three blocks per head own no column (they still convolve q/k and join the Σo²).
-    let uneven = deltanet_dims(128, 2, 4, 32, 36);
-    let w = random_weights(&uneven, None, 33);
-    all &= deltanet_case(
-        "deltanet layer f32, Dv 36 (uneven)",
-        &uneven,
-        &w,
-        7,
-        1e-4,
-        None,
-    )
-    .0;
-    let narrow = deltanet_dims(128, 2, 4, 32, 6);
-    let w = random_weights(&narrow, None, 34);
-    all &= deltanet_case(
-        "deltanet layer f32, Dv 6 < blocks",
-        &narrow,
-        &w,
-        7,
-        1e-4,
-        None,
-    )
-    .0;
+    // Dv 6 → three blocks per head own no column (they still convolve q/k and join the Σo²);
     // Dk 256 (8 key entries per lane), Dv 200 (25 columns per block).
-    let wide = deltanet_dims(128, 1, 2, 256, 200);
-    let w = random_weights(&wide, None, 35);
-    all &= deltanet_case(
-        "deltanet layer f32, Dk 256 Dv 200",
-        &wide,
-        &w,
-        5,
-        1e-4,
-        None,
-    )
-    .0;
+    // (name, D, Hk, Hv, Dk, Dv, seed, steps)
+    for (name, d, hk, hv, dk, dv, seed, steps) in [
+        ("deltanet layer f32, odd heads", 192, 1, 3, 64, 48, 32, 6),
+        (
+            "deltanet layer f32, Dv 36 (uneven)",
+            128,
+            2,
+            4,
+            32,
+            36,
+            33,
+            7,
+        ),
+        ("deltanet layer f32, Dv 6 < blocks", 128, 2, 4, 32, 6, 34, 7),
+        (
+            "deltanet layer f32, Dk 256 Dv 200",
+            128,
+            1,
+            2,
+            256,
+            200,
+            35,
+            5,
+        ),
+    ] {
+        let spec = deltanet_dims(d, hk, hv, dk, dv);
+        let w = random_weights(&spec, None, seed);
+        all &= deltanet_case(name, &spec, &w, steps, 1e-4, None).0;
+    }
     let (real, w) = real_two_layers();
     all &= deltanet_case("deltanet layer q4 (real dims)", real, w, 5, 2e-4, None).0;
     assert!(all);
