@@ -248,15 +248,6 @@ struct DownParams {
 #define DOWN_ROWS 2 // output rows per warp
 #define DOWN_UNITS 5 // units per row in flight per lane: 9 slots × 16 q4 units fit one pass of 32 lanes
 
-// Flattened unit f of a down row → its slot s (the routed slots first, then the shared one) and its
-// unit within that slot's row; true when the slot is routed.
-__device__ __forceinline__ bool down_unit(int f, int n_routed, int units_r, int& s, int& unit) {
-    const bool routed = f < n_routed * units_r;
-    s = routed ? f / units_r : n_routed;
-    unit = routed ? f - s * units_r : f - n_routed * units_r;
-    return routed;
-}
-
 // One warp's DOWN_ROWS output rows from r0: h[r] += Σ over the slots [slot_begin, slot_end) of
 // w_s · down_s[r]·act_s, with the activations and their unit sums staged in shared memory and the
 // slots' experts and weights in slot_expert / slot_weight.
@@ -285,8 +276,9 @@ __device__ __forceinline__ void down_rows(const DownParams& p, const float* acts
         for (int k = 0; k < DOWN_UNITS; ++k) {
             const int f = f0 + k * 32;
             if (f < total) {
-                int s, unit;
-                const bool is_routed = down_unit(f, n_routed, units_r, s, unit);
+                const bool is_routed = f < n_routed * units_r;
+                const int s = is_routed ? f / units_r : n_routed;
+                const int unit = is_routed ? f - s * units_r : f - n_routed * units_r;
 #pragma unroll
                 for (int i = 0; i < DOWN_ROWS; ++i) {
                     const RowPtr row = is_routed ? row_ptr(ex, (i64)slot_expert[s] * p.D + r[i]) : row_ptr(sh, r[i]);
@@ -299,8 +291,9 @@ __device__ __forceinline__ void down_rows(const DownParams& p, const float* acts
         for (int k = 0; k < DOWN_UNITS; ++k) {
             const int f = f0 + k * 32;
             if (f < total) {
-                int s, unit;
-                down_unit(f, n_routed, units_r, s, unit);
+                const bool is_routed = f < n_routed * units_r;
+                const int s = is_routed ? f / units_r : n_routed;
+                const int unit = is_routed ? f - s * units_r : f - n_routed * units_r;
                 float q[DOWN_ROWS];
                 UnitDot<FMT, DOWN_ROWS>::run(w[k], acts + s * pitch + xpad(unit * F::W), q);
                 if (FMT == FMT_Q4) // UnitDot<Q4> returned Σ (16 + q)·x
@@ -447,9 +440,11 @@ __device__ __forceinline__ void moe_persistent_body(const MoePersistentParams& p
 MOE_PERSISTENT_KERNEL(q8, q4, FMT_Q8, FMT_Q4)
 MOE_PERSISTENT_KERNEL(q4, q4, FMT_Q4, FMT_Q4)
 
+// gate/up keeps the explicit minimum of 1 block per SM it was measured and parity-checked with
+// (ptxas allocates differently without it: scripts/cubin-diff.py).
 #define MOE_KERNELS(suffix, FMT) \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_router_##suffix(const RouterParams p) { router_body<FMT>(p); } \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_gate_up_##suffix(const GateUpParams p) { gate_up_body<FMT>(p); } \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 1) moe_gate_up_##suffix(const GateUpParams p) { gate_up_body<FMT>(p); } \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_down_##suffix(const DownParams p) { down_body<FMT>(p); }
 MOE_KERNELS(f32, FMT_F32)
 MOE_KERNELS(bf16, FMT_BF16)
