@@ -41,6 +41,9 @@ echo "kernel checks: $(( $(date +%s) - start )) s"
 start=$(date +%s)
 run_tests engine-cpu 180 engine_matches_cpu
 echo "engine vs CPU: $(( $(date +%s) - start )) s"
+start=$(date +%s)
+run_tests engine-layer 120 engine_layer_kernel
+echo "decode layer kernel vs chain: $(( $(date +%s) - start )) s"
 # The CLI end to end on every fixture: `calla generate --json` on cuda vs cpu (64 greedy tokens).
 start=$(date +%s)
 for dir in tests/fixtures/models/*/; do
@@ -83,9 +86,9 @@ echo "engine vs transformers: $(( $(date +%s) - start )) s"
 echo
 echo "| check                                          | shape                      |  max error |     where | of tol.  |      |"
 echo "|------------------------------------------------|----------------------------|-----------:|----------:|---------:|------|"
-cat "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/cli.log "$LOGS"/engine-transformers.log 2>/dev/null | sed -E 's/^test [^ ]+ \.\.\. //' | grep '^| '
+cat "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-layer.log "$LOGS"/cli.log "$LOGS"/engine-transformers.log 2>/dev/null | sed -E 's/^test [^ ]+ \.\.\. //' | grep '^| '
 echo
-grep -h -E '^test .*(ok|FAILED|ignored)$|^test result|panicked|^error' "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-transformers.log | grep -v '^test result: ok. 0 passed' | head -40
+grep -h -E '^test .*(ok|FAILED|ignored)$|^test result|panicked|^error' "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-layer.log "$LOGS"/engine-transformers.log | grep -v '^test result: ok. 0 passed' | head -40
 grep -q 'FAIL |' "$LOGS"/*.log && status=1
 echo "parity: $([ $status -eq 0 ] && echo ALL PASS || echo FAILURES)"
 exit $status

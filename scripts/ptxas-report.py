@@ -20,7 +20,9 @@ MMA_MODULES = {"attention", "gemm", "deltanet_prefill", "attention_prefill", "mo
 for name in sys.argv[1:]:
     # the tensor-core modules get kernels/mma.cuh first, as src/kernels.rs does
     mma = (kernels / "mma.cuh").read_text() + "\n" if name in MMA_MODULES else ""
-    src = common + "\n" + mma + (kernels / f"{name}.cu").read_text()
+    # the persistent layer gets the decode modules it is built from, as src/kernels.rs does
+    parts = ["matvec", "deltanet", "moe", name] if name == "decode_layer" else [name]
+    src = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in __import__("os").environ.get("DEFS", "").split(",") if d) + common + "\n" + mma + ("#define PHASES_ONLY\n" if len(parts) > 1 else "") + "\n".join((kernels / f"{p}.cu").read_text() for p in parts)
     prog = ctypes.c_void_p()
     assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(), 0, None, None) == 0
     arr = (ctypes.c_char_p * len(opts))(*opts)

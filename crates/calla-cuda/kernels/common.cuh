@@ -195,6 +195,20 @@ __device__ __forceinline__ float2 ldg_f2(const void* p) {
     return v;
 }
 
+// Loads of activations through L2 only (ld.global.cg): inside a persistent kernel (decode_layer.cu)
+// another block may have rewritten the line since this SM last read it, and L1 is not coherent
+// between SMs; across kernel boundaries it makes no difference.
+__device__ __forceinline__ float4 ldcg_f4(const float4* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ldcg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
 // The code q (0..15 or 0..255) as a float without the quarter-rate integer conversion: the bits
 // 0x4B000000 | q are the float 2^23 + q exactly, and subtracting 2^23 leaves q exactly.
 __device__ __forceinline__ float code_to_f32(u32 q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
@@ -436,8 +450,8 @@ __device__ __forceinline__ void stage_input(const float* src, const float* gain,
             const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             v[b][0] = v[b][1] = g[b][0] = g[b][1] = zero;
             if (q < nchunks) {
-                v[b][0] = ((const float4*)src)[2 * q];
-                v[b][1] = ((const float4*)src)[2 * q + 1];
+                v[b][0] = ldcg_f4((const float4*)src + 2 * q);
+                v[b][1] = ldcg_f4((const float4*)src + 2 * q + 1);
                 if (gain) {
                     g[b][0] = ((const float4*)gain)[2 * q];
                     g[b][1] = ((const float4*)gain)[2 * q + 1];
@@ -500,33 +514,71 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 }
 
 // ---------------------------------------------------------------- grid-wide barrier
-// For persistent kernels: every block's thread 0 reads the generation, arrives on the counter
-// (atomicAdd) and, unless it is the last to arrive, spins until the generation moves; the last one
-// resets the counter and advances the generation. Fences on both sides publish each block's writes
-// before the barrier to every block after it. Needs every block of the grid resident at once (the
-// launchers size the grid from the occupancy query): otherwise the spinning blocks wait for blocks
-// that never start. Measured 1.77 µs on 132 blocks (tests/gpu/grid_sync.rs).
+// For persistent kernels. `counter` counts arrivals forever (u64: never wraps): barrier k of a grid
+// of n blocks is passed once it reaches (k + 1)·n, and a block computes that target from the value
+// its own arrival returned (no block can arrive at barrier k + 1 before all have arrived at k).
+// Thread 0 of each block arrives with a release (publishing the block's writes, ordered before it
+// by the __syncthreads) and polls with acquire loads; there is no reset and no second atomic on
+// the way out. Needs every block of the grid resident at once (the launchers size the grid from
+// the occupancy query): otherwise the polling blocks wait for blocks that never start.
+// `opened` is for grid_arrive/grid_open/grid_wait below. Both words start at 0 (zeroed once).
 struct GridSync {
-    u64 counter;    // u32, 0 between uses
-    u64 generation; // u32, any value
+    u64 counter; // u64 arrivals
+    u64 opened;  // u64: the target of the last barrier opened by grid_open
 };
+
+// Thread 0's arrival: returns the count before it (acquire-release: the last block to arrive also
+// sees every earlier arrival's writes).
+__device__ __forceinline__ u64 grid_arrive_count(const GridSync& s) {
+    u64 old;
+    asm volatile("atom.add.acq_rel.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(s.counter) : "memory");
+    return old;
+}
+__device__ __forceinline__ u64 grid_target(u64 old) { return (old / gridDim.x + 1) * gridDim.x; }
+// Polls with relaxed loads and acquires once, after the wait: an acquire load at GPU scope also
+// invalidates the SM's L1, and a block spinning with it would do so continuously under the block
+// that shares its SM and is still working.
+__device__ __forceinline__ u64 ld_relaxed_u64(u64 addr) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ void wait_until_at_least(u64 addr, u64 target) {
+    while (ld_relaxed_u64(addr) < target) {
+#if defined(GRID_POLL_SLEEP_NS)
+        __nanosleep(GRID_POLL_SLEEP_NS);
+#endif
+    }
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
 
 __device__ __forceinline__ void grid_barrier(const GridSync& s) {
     __syncthreads();
+    if (threadIdx.x == 0) wait_until_at_least(s.counter, grid_target(grid_arrive_count(s)));
+    __syncthreads();
+}
+
+// The barrier in three parts, for a phase whose last block to arrive does extra work before the
+// grid may go on (the MoE routing in decode_layer.cu): grid_arrive returns, in every thread of the
+// block, whether this block arrived last (then every other block's writes are visible to it); that
+// block does its work and calls grid_open; every other block calls grid_wait.
+__device__ __forceinline__ bool grid_arrive(const GridSync& s, u64* target) {
+    __shared__ u32 last;
+    __syncthreads();
     if (threadIdx.x == 0) {
-        volatile u32* gen = (volatile u32*)s.generation;
-        const u32 seen = *gen;
-        __threadfence(); // this block's writes before its arrival
-        if (atomicAdd((u32*)s.counter, 1u) == gridDim.x - 1) {
-            *(volatile u32*)s.counter = 0u;
-            __threadfence();
-            atomicAdd((u32*)s.generation, 1u);
-        } else {
-            while (*gen == seen) {
-            }
-        }
-        __threadfence(); // every block's writes before anything after the barrier
+        const u64 old = grid_arrive_count(s);
+        *target = grid_target(old);
+        last = old + 1 == *target;
     }
+    __syncthreads();
+    return last != 0u;
+}
+__device__ __forceinline__ void grid_open(const GridSync& s, u64 target) {
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("st.release.gpu.u64 [%0], %1;" ::"l"(s.opened), "l"(target) : "memory");
+}
+__device__ __forceinline__ void grid_wait(const GridSync& s, u64 target) {
+    if (threadIdx.x == 0) wait_until_at_least(s.opened, target);
     __syncthreads();
 }
 

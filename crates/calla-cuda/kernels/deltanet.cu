@@ -168,14 +168,15 @@ __device__ __forceinline__ void dn_columns(float* S, int Dk, const int* js, int 
     }
 }
 
-template <int KPL, int SPLIT>
-__device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
+// Work item `item` = (value head item / SPLIT, column block item % SPLIT). RAW_OUT (the persistent
+// layer, decode_layer.cu): y ← o, the gated RMSNorm is left to the out-projection's prologue, and no
+// cluster is needed.
+template <int KPL, int SPLIT, bool RAW_OUT>
+__device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, int item) {
     __shared__ float q_s[DN_MAX_DK], k_s[DN_MAX_DK], v_s[DN_MAX_DV], o_s[DN_MAX_DV];
     __shared__ float red[64];
     __shared__ float sumsq_part; // this block's Σ o_j² over its own columns (read by the cluster)
-    griddep_launch_dependents();
-    griddep_wait(); // cursor, projections and state come from earlier kernels
-    const int h = blockIdx.x / SPLIT, rank = blockIdx.x % SPLIT; // = %cluster_ctarank (1-D clusters)
+    const int h = item / SPLIT, rank = item % SPLIT; // = %cluster_ctarank (1-D clusters)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int ratio = p.Hv / p.Hk, kh = h / ratio;
     const int C = 2 * p.Hk * p.Dk + p.Hv * p.Dv;
@@ -286,6 +287,11 @@ __device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
         dn_columns<KPL, 1>(S, p.Dk, &j, n, s1, kr, qr, alpha, beta, v_s, o_s, lane);
     }
     __syncthreads();
+    if (RAW_OUT) {
+        if (tid < n) ((float*)p.y)[(i64)h * p.Dv + j0 + tid] = o_s[tid];
+        __syncthreads(); // the shared arrays are reused by the block's next item
+        return;
+    }
 
     // 5. gated RMSNorm: y = w · o/√(mean(o²) + eps) · silu(z), Σo² over all Dv columns of the head.
     const float o_t = tid < n ? o_s[tid] : 0.0f;
@@ -308,6 +314,14 @@ __device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
 #endif
 }
 
+template <int KPL, int SPLIT>
+__device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
+    griddep_launch_dependents();
+    griddep_wait(); // cursor, projections and state come from earlier kernels
+    deltanet_decode_item<KPL, SPLIT, false>(p, blockIdx.x);
+}
+
+#ifndef PHASES_ONLY // decode_layer.cu compiles this file for its device functions only
 #define DN_KERNEL(KPL) \
     extern "C" __global__ void __launch_bounds__(DN_THREADS, DN_MIN_BLOCKS_SINGLE) deltanet_decode_kpl##KPL(const DeltaNetParams p) { \
         deltanet_decode_body<KPL, 1>(p); \
@@ -329,6 +343,7 @@ DN_KERNEL_SPLIT(4)
 DN_KERNEL_SPLIT(8)
 static_assert(DN_SPLIT == 8, "the kernel names say split8");
 #endif
+#endif // PHASES_ONLY
 static_assert(DN_WARPS * DN_PREFETCH_COLS >= (DN_MAX_DV + DN_SPLIT - 1) / DN_SPLIT,
               "with SPLIT = 8 every owned column is prefetched");
 

@@ -1,5 +1,5 @@
 // grid_sync.cu: the check and timing of common.cuh's grid-wide barrier (grid_barrier), which the
-// persistent kernels use between their phases (moe_persistent_*, docs/persistent-decode.md).
+// persistent decode layer uses between its phases (decode_layer.cu, docs/persistent-decode.md).
 //
 // grid_sync_check: `phases` barriers in a row. Before barrier k each block writes k into its slot of
 // `slots` [gridDim.x]; after it, every block checks that every slot holds k (a barrier that lets a

@@ -56,20 +56,14 @@ __device__ __forceinline__ void matvec_prefetch_pass(const MatvecParams& p, int 
     }
 }
 
+// The rows of every segment, grid-strided over the blocks, from x̂ (padded) and its unit sums in
+// shared memory (staged by the caller).
 template <int FMT, int R, int U>
-__device__ __forceinline__ void matvec_body(const MatvecParams& p) {
+__device__ __forceinline__ void matvec_rows(const MatvecParams& p, const float* xs, const float* usum) {
     typedef Fmt<FMT> F;
-    extern __shared__ float4 smem4[];
-    float* xs = (float*)smem4;
-    float* usum = xs + xpad_len(p.K);
-    __shared__ float red[32];
     const int units = p.K / F::W;
     const int width = lanes_per_row(units);
     const int rows_per_pass = blockDim.x / width * R;
-    griddep_launch_dependents();
-    griddep_wait();
-    stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, red);
-
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
     const int units_per_group = F::AFFINE ? p.group_size / F::W : 1;
     // Every thread runs the same number of passes so the shuffles in group_sum see full warps.
@@ -101,14 +95,28 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
             const float v = group_sum(acc[i], width);
             if (lane == 0 && base + group * R + i < p.total_rows) {
                 float* y = (float*)p.seg[seg_of[i]].out;
-                y[local[i]] = p.accumulate ? y[local[i]] + v : v;
+                y[local[i]] = p.accumulate ? ldcg_f32(y + local[i]) + v : v;
             }
         }
     }
 }
 
+template <int FMT, int R, int U>
+__device__ __forceinline__ void matvec_body(const MatvecParams& p) {
+    typedef Fmt<FMT> F;
+    extern __shared__ float4 smem4[];
+    float* xs = (float*)smem4;
+    float* usum = xs + xpad_len(p.K);
+    __shared__ float red[32];
+    griddep_launch_dependents();
+    griddep_wait();
+    stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, red);
+    matvec_rows<FMT, R, U>(p, xs, usum);
+}
+
 // The explicit minimum of 1 block per SM on _r4 is what the measured and parity-checked code was
 // compiled with; ptxas allocates registers differently without it (scripts/cubin-diff.py).
+#ifndef PHASES_ONLY // decode_layer.cu compiles this file for its device functions only
 #define MATVEC_KERNEL(name, FMT) \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS, 1) name##_r4(const MatvecParams p) { matvec_body<FMT, 4, 2>(p); } \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) name##_r2(const MatvecParams p) { matvec_body<FMT, 2, 4>(p); }
@@ -117,6 +125,7 @@ MATVEC_KERNEL(matvec_bf16, FMT_BF16)
 MATVEC_KERNEL(matvec_f16, FMT_F16)
 MATVEC_KERNEL(matvec_q4, FMT_Q4)
 MATVEC_KERNEL(matvec_q8, FMT_Q8)
+#endif // PHASES_ONLY
 
 // ---------------------------------------------------------------- embedding gather
 // h[c] = E[token, c] (dequantised), token = cursor.token. grid 1, block 256.
@@ -137,6 +146,7 @@ __device__ __forceinline__ void embed_body(const EmbedParams& p) {
     dequant_row<FMT>(p.m, token, p.D, p.group_size, (float*)p.out);
 }
 
+#ifndef PHASES_ONLY // decode_layer.cu compiles this file for its device functions only
 #define EMBED_KERNEL(name, FMT) \
     extern "C" __global__ void __launch_bounds__(256) name(const EmbedParams p) { embed_body<FMT>(p); }
 EMBED_KERNEL(embed_f32, FMT_F32)
@@ -144,6 +154,7 @@ EMBED_KERNEL(embed_bf16, FMT_BF16)
 EMBED_KERNEL(embed_f16, FMT_F16)
 EMBED_KERNEL(embed_q4, FMT_Q4)
 EMBED_KERNEL(embed_q8, FMT_Q8)
+#endif // PHASES_ONLY
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");

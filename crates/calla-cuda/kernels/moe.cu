@@ -311,7 +311,7 @@ __device__ __forceinline__ void down_rows(const DownParams& p, const float* acts
 #pragma unroll
     for (int i = 0; i < DOWN_ROWS; ++i) {
         const float v = warp_sum(acc[i]);
-        if (lane == 0 && r0 + i < p.D) ((float*)p.h)[r0 + i] += v;
+        if (lane == 0 && r0 + i < p.D) ((float*)p.h)[r0 + i] = ldcg_f32((const float*)p.h + r0 + i) + v;
     }
 }
 
@@ -341,19 +341,10 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
     down_rows<FMT>(p, acts, usum, slot_expert, slot_weight, (blockIdx.x * nwarps + warp) * DOWN_ROWS);
 }
 
-// ---------------------------------------------------------------- the MoE block in one launch
-// moe_persistent_<router>_<experts>: router, routing, gate/up and down+combine+residual in one
-// launch whose phases are separated by grid barriers (common.cuh grid_barrier; the launcher sizes the
-// grid so every block is resident): the same arithmetic as the three launches above (the same device
-// functions), without two kernel boundaries and the router's ticketed tail. Each block stages x̂ once
-// for the router and gate/up phases. Phases:
-//   1. x̂ = rmsnorm(h)·gain in shared memory; router rows (and the shared-expert gate row) → logits
-//   2. (barrier) every block routes the same way (route: softmax + top-A, deterministic), block 0
-//      publishes the list; gate/up pairs of every slot, grid-strided → act
-//   3. (barrier) the slots' activations staged in shared memory; down rows, grid-strided; h += …
-// Off by default (CALLA_MOE_PERSISTENT=1): measured 33.0 µs per layer against 28.2 for the three
-// launches — the routing repeated in all 264 blocks costs what the two saved launch floors gain;
-// next: route in block 0 between two barriers (docs/persistent-decode.md).
+// ---------------------------------------------------------------- the MoE block's persistent phases
+// The parameters of the MoE phases (4–6) of the persistent decode layer (decode_layer.cu): router,
+// routing in the last block to arrive, gate/up and down+combine+residual in one launch whose phases
+// are separated by grid barriers (common.cuh), from the device functions above.
 struct MoePersistentParams {
     RouterParams r;   // h, norm gain, router, shared gate, logits, top-A outputs, D, E, A, eps
     GateUpParams g;   // experts, shared, act, I, Is, act_stride (x, norm_gain, topk_ids unused)
@@ -361,85 +352,7 @@ struct MoePersistentParams {
     GridSync sync;
 };
 
-template <int RFMT, int EFMT>
-__device__ __forceinline__ void moe_persistent_body(const MoePersistentParams& p) {
-    typedef Fmt<RFMT> FR;
-    typedef Fmt<EFMT> FE;
-    extern __shared__ float4 smem4[];
-    float* xs = (float*)smem4;                    // [xpad_len(D)] x̂; phase 3: the activations
-    float* usum_r = xs + xpad_len(p.r.D);         // [D / router W]
-    float* usum_e = usum_r + p.r.D / FR::W;       // [D / expert W]
-    __shared__ float red[32];
-    __shared__ float4 sl4[MOE_MAX_E / 4];
-    __shared__ int sel_id[MOE_MAX_A];
-    __shared__ float sel_p[MOE_MAX_A];
-    __shared__ int slot_expert[MOE_MAX_A + 1];
-    __shared__ float slot_weight[MOE_MAX_A + 1];
-    // No griddep_launch_dependents: a dependent grid started early could take the SM room some of
-    // this grid's blocks need, and a grid barrier with a block not yet resident never opens.
-    griddep_wait();
-    const int D = p.r.D;
-    // ---- phase 1: x̂, router rows
-    stage_input<FR::AFFINE ? FR::W : 0>((const float*)p.r.h, (const float*)p.r.norm_gain, p.r.eps, D, xs, usum_r,
-                                        red);
-    if (FE::AFFINE) // the experts' unit sums (their unit may differ from the router's), in order
-        for (int u = threadIdx.x; u < D / FE::W; u += blockDim.x) {
-            const float* v = xs + xpad(u * FE::W);
-            float sum = 0.0f;
-            for (int j = 0; j < FE::W; ++j) sum += v[j];
-            usum_e[u] = sum;
-        }
-    {
-        const int width = lanes_per_row(D / FR::W);
-        const int row_items = (p.r.E + blockDim.x / width * ROUTER_ROWS - 1) / (blockDim.x / width * ROUTER_ROWS);
-        const int items = row_items + (p.r.shared_gate ? 1 : 0);
-        for (int item = blockIdx.x; item < items; item += gridDim.x)
-            router_rows<RFMT>(p.r, xs, usum_r, item, item == row_items);
-    }
-    grid_barrier(p.sync);
-    // ---- phase 2: routing (every block, identical), gate/up pairs
-    route(p.r, sl4, sel_id, sel_p, red, blockIdx.x == 0);
-    const int nslots = p.d.slot_end;
-    {
-        const int units = D / FE::W, width = lanes_per_row(units);
-        const int group = threadIdx.x / width, lane = threadIdx.x % width;
-        const int pairs_per_pass = blockDim.x / width * 2;
-        const int n_max = max(p.g.I, p.g.Is);
-        const int passes = (n_max + pairs_per_pass - 1) / pairs_per_pass;
-        for (int item = blockIdx.x; item < nslots * passes; item += gridDim.x) {
-            const int slot = item / passes, pass = item - slot * passes;
-            const bool routed = slot < p.r.A;
-            const int n = routed ? p.g.I : p.g.Is;
-            if (pass * pairs_per_pass >= n) continue; // uniform across the block
-            const MatrixRef m = routed ? p.g.experts : p.g.shared;
-            const i64 row0 = routed ? (i64)sel_id[slot] * 2 * p.g.I : 0;
-            gate_up_pair<EFMT>(m, row0, n, pass * pairs_per_pass + group * 2, xs, usum_e, units, lane, width,
-                               FE::AFFINE ? p.g.group_size / FE::W : 1, (float*)p.g.act + (i64)slot * p.g.act_stride);
-        }
-    }
-    grid_barrier(p.sync);
-    // ---- phase 3: down rows with the weighted combine and the residual
-    for (int s = threadIdx.x; s < nslots; s += blockDim.x) {
-        slot_expert[s] = s < p.r.A ? sel_id[s] : 0;
-        slot_weight[s] = s < p.r.A ? sel_p[s]
-                                   : (p.r.shared_gate ? sigmoid_f(((const volatile float*)p.r.logits)[p.r.E]) : 1.0f);
-    }
-    float* usum_d = xs + nslots * xpad_len(p.d.act_stride);
-    stage_input<FE::AFFINE ? FE::W : 0>((const float*)p.d.act, nullptr, 0.0f, nslots * p.d.act_stride, xs, usum_d,
-                                        nullptr); // its closing barrier publishes slot_expert / slot_weight
-    const int nwarps = blockDim.x >> 5, warp = threadIdx.x >> 5;
-    const int items = (D + nwarps * DOWN_ROWS - 1) / (nwarps * DOWN_ROWS);
-    for (int item = blockIdx.x; item < items; item += gridDim.x)
-        down_rows<EFMT>(p.d, xs, usum_d, slot_expert, slot_weight, (item * nwarps + warp) * DOWN_ROWS);
-}
-
-#define MOE_PERSISTENT_KERNEL(rs, es, RFMT, EFMT) \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_persistent_##rs##_##es(const MoePersistentParams p) { \
-        moe_persistent_body<RFMT, EFMT>(p); \
-    }
-MOE_PERSISTENT_KERNEL(q8, q4, FMT_Q8, FMT_Q4)
-MOE_PERSISTENT_KERNEL(q4, q4, FMT_Q4, FMT_Q4)
-
+#ifndef PHASES_ONLY // decode_layer.cu compiles this file for its device functions only
 // gate/up keeps the explicit minimum of 1 block per SM it was measured and parity-checked with
 // (ptxas allocates differently without it: scripts/cubin-diff.py).
 #define MOE_KERNELS(suffix, FMT) \
@@ -451,6 +364,7 @@ MOE_KERNELS(bf16, FMT_BF16)
 MOE_KERNELS(f16, FMT_F16)
 MOE_KERNELS(q4, FMT_Q4)
 MOE_KERNELS(q8, FMT_Q8)
+#endif // PHASES_ONLY
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(RouterParams) == 128, "RouterParams layout differs from its Rust twin");

@@ -51,7 +51,7 @@ pub fn check_dims(spec: &ModelSpec) -> Result<()> {
         "attention prefill: {hq} query heads over {hkv} KV heads"
     );
     ensure!(
-        spec.rotary_dim % 2 == 0 && spec.rotary_dim <= dh,
+        spec.rotary_dim.is_multiple_of(2) && spec.rotary_dim <= dh,
         "rotary_dim {} must be even and ≤ head_dim",
         spec.rotary_dim
     );

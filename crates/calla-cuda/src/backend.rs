@@ -66,6 +66,11 @@ pub struct CudaOptions {
     ///
     /// [`prompt_precision::ENV`]: crate::prompt_precision::ENV
     pub prompt_precision: PromptPrecision,
+    /// Decode each layer as one persistent launch with grid barriers between its phases
+    /// (decode_layer.rs) where the formats allow (q4 projections and experts), instead of the
+    /// chain of ~6 launches. Off by default (measured slower); `CALLA_DECODE=layer` turns it on in
+    /// `Default`.
+    pub fused_layers: bool,
 }
 
 impl Default for CudaOptions {
@@ -81,6 +86,7 @@ impl Default for CudaOptions {
                 .ok()
                 .flatten()
                 .unwrap_or_default(),
+            fused_layers: crate::decode_layer::enabled_by_env(),
         }
     }
 }
@@ -196,7 +202,7 @@ impl CudaBackend {
             .max(1);
         let layout = StateLayout::new(spec, max_ctx, opts.kv_cache);
         let mut scratch_arena = Arena::new(&gpu, DEFAULT_BLOCK);
-        let scratch = Scratch::new(&mut scratch_arena, spec, max_ctx)?;
+        let scratch = Scratch::new(&mut scratch_arena, spec, max_ctx, opts.fused_layers)?;
         let selector = Selector::new(&mut scratch_arena, spec.vocab_size, max_ctx + 1)?;
         let body = forward::body_launches(&gpu, spec, &model, &layout, &scratch)?;
         let head = forward::head_launches(&gpu, spec, &model, &scratch)?;

@@ -499,6 +499,17 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
             digests,
         });
     }
+    if let Some((buf, layer)) = be.scratch.layer_timing {
+        // lab: the timed layer's phases in the last decode step (CALLA_LAYER_TIMING=layer)
+        let mut stamps =
+            vec![0u64; crate::decode_layer::EVENTS * 2 * crate::decode_layer::MAX_TIMED_BLOCKS];
+        be.gpu().dtoh(buf, &mut stamps)?;
+        let mhz = be.gpu().clock_mhz()?;
+        eprint!(
+            "layer {layer}: {}",
+            crate::decode_layer::timing_report(&stamps, mhz)
+        );
+    }
     let mut profile = Vec::new();
     if opts.profile {
         let context = *contexts.last().unwrap_or(&opts.prompt_len);
@@ -511,6 +522,17 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         fake_context(&be, cs, context, opts.seed + 99)?;
         be.step(seq.as_mut(), &[prompt[0]], &sel(0))?;
         profile = be.profile_decode(seq.as_mut(), prompt[1 % prompt.len()], 20)?;
+        if let Some((buf, layer)) = be.scratch.layer_timing {
+            // lab: the same layer's launch replayed back to back (code and weights warm in L2)
+            let mut stamps =
+                vec![0u64; crate::decode_layer::EVENTS * 2 * crate::decode_layer::MAX_TIMED_BLOCKS];
+            be.gpu().dtoh(buf, &mut stamps)?;
+            let mhz = be.gpu().clock_mhz()?;
+            eprint!(
+                "layer {layer}, replayed: {}",
+                crate::decode_layer::timing_report(&stamps, mhz)
+            );
+        }
         progress.end();
     }
     let first_token_repeats = all_equal(&first_tokens);

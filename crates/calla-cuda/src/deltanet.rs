@@ -115,8 +115,28 @@ pub fn decode_split(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo, split: u32) ->
         "DeltaNet decode: {split} blocks per head need thread-block clusters (sm_90+), this device is {}",
         gpu.arch
     );
+    let p = params(spec, io);
     let dk = spec.linear_key_head_dim;
-    let p = DeltaNetParams {
+    let name = if split == 1 {
+        format!("deltanet_decode_kpl{}", dk / 32)
+    } else {
+        format!("deltanet_decode_kpl{}_split{split}", dk / 32)
+    };
+    Launch::new(
+        gpu,
+        &name,
+        (spec.linear_num_value_heads as u32 * split, 1, 1),
+        THREADS,
+        0,
+        &p,
+    )
+}
+
+/// The decode step's parameters (also phase 2 of the persistent decode layer); the dims must have
+/// passed [`check_dims`].
+pub fn params(spec: &ModelSpec, io: &DeltaNetIo) -> DeltaNetParams {
+    let dk = spec.linear_key_head_dim;
+    DeltaNetParams {
         qkv: io.qkv.0,
         z: io.z.0,
         b: io.b.0,
@@ -137,18 +157,5 @@ pub fn decode_split(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo, split: u32) ->
         eps: spec.rms_norm_eps,
         q_scale: (dk as f32).powf(-0.5),
         pad: 0,
-    };
-    let name = if split == 1 {
-        format!("deltanet_decode_kpl{}", dk / 32)
-    } else {
-        format!("deltanet_decode_kpl{}_split{split}", dk / 32)
-    };
-    Launch::new(
-        gpu,
-        &name,
-        (spec.linear_num_value_heads as u32 * split, 1, 1),
-        THREADS,
-        0,
-        &p,
-    )
+    }
 }

@@ -5,7 +5,9 @@
 //!               attention: matvec[q+gate|k|v](rmsnorm(h)) → attn_decode (norm + RoPE + cache append,
 //!                          split-KV on tensor cores, merge + gate: one launch) → h += o_proj·y
 //!               MoE: router+top-k(rmsnorm(h)) → gate/up (routed + shared) → h += down+combine
-//!                    (or, with CALLA_MOE_PERSISTENT=1, the three as one launch with grid barriers)
+//!   With CudaOptions::fused_layers (CALLA_DECODE=layer; off by default: measured slower) and q4
+//!   weights, a layer is instead one persistent launch from the in-projection (DeltaNet) or the
+//!   out-projection (attention) on, with grid barriers between the phases: decode_layer.rs.
 //!   head: logits = lm_head·rmsnorm(h) → select (argmax / sampling, advances the cursor)
 //!
 //! Everything that changes between steps (token, position, the sequence's state address, sampling
@@ -98,17 +100,26 @@ pub struct Scratch {
     pub topk_w: DPtr,
     pub shared_w: DPtr,
     pub router_counter: DPtr,
-    /// the persistent MoE launch's grid barrier (counter zeroed, generation)
+    /// the persistent decode layer's grid barrier (two zeroed u64 words)
     pub moe_sync: crate::grid_sync::GridSync,
     pub act: DPtr,
     pub act_stride: usize,
     pub one: DPtr,
     /// [V]
     pub logits: DPtr,
+    /// one persistent launch per layer where the formats allow (decode_layer.rs, opt-in), else the chain
+    pub fused_layers: bool,
+    /// lab (CALLA_LAYER_TIMING=layer): that layer's launch stamps its phases here
+    pub layer_timing: Option<(DPtr, usize)>,
 }
 
 impl Scratch {
-    pub fn new(arena: &mut Arena, spec: &ModelSpec, max_ctx: usize) -> Result<Scratch> {
+    pub fn new(
+        arena: &mut Arena,
+        spec: &ModelSpec,
+        max_ctx: usize,
+        fused_layers: bool,
+    ) -> Result<Scratch> {
         let d = spec.hidden_size;
         let (hq, dh) = (spec.num_attention_heads, spec.head_dim);
         let nsplit = attention::num_splits(max_ctx);
@@ -154,13 +165,23 @@ impl Scratch {
             shared_w: f32s(1)?,
             router_counter: f32s(1)?,
             moe_sync: crate::grid_sync::GridSync {
-                counter: f32s(1)?.0,
-                generation: f32s(1)?.0,
+                counter: f32s(2)?.0,
+                opened: f32s(2)?.0,
             },
             act: f32s((a + 1) * act_stride)?,
             act_stride,
             one: f32s(1)?,
             logits: f32s(spec.vocab_size)?,
+            fused_layers,
+            layer_timing: match crate::decode_layer::timed_layer() {
+                Some(layer) => Some((
+                    f32s(
+                        crate::decode_layer::EVENTS * 2 * crate::decode_layer::MAX_TIMED_BLOCKS * 2,
+                    )?,
+                    layer,
+                )),
+                None => None,
+            },
         };
         arena_upload_one(arena, scratch.one)?;
         Ok(scratch)
@@ -239,6 +260,37 @@ pub fn mixer_launches(
             )?);
         }
         DevMixer::Attention(w) => {
+            out.extend(attention_core_launches(gpu, spec, model, layout, s, i)?);
+            let k = spec.num_attention_heads * spec.head_dim;
+            out.extend(matvec::matvec(
+                gpu,
+                s.at_y,
+                k,
+                None,
+                &[(w.o_proj, s.h)],
+                true,
+            )?);
+        }
+    }
+    Ok(out)
+}
+
+/// An attention layer's in-projection and attention (into `s.at_y`), without the output projection.
+pub fn attention_core_launches(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    layout: &StateLayout,
+    s: &Scratch,
+    i: usize,
+) -> Result<Vec<Launch>> {
+    let d = spec.hidden_size;
+    let layer = &model.layers[i];
+    let eps = spec.rms_norm_eps;
+    let mut out = Vec::new();
+    match &layer.mixer {
+        DevMixer::DeltaNet(_) => anyhow::bail!("layer {i} is not an attention layer"),
+        DevMixer::Attention(w) => {
             let (k_off, v_off) = layout.layers[i];
             let segs: Vec<_> = w
                 .in_proj
@@ -276,15 +328,6 @@ pub fn mixer_launches(
                     nsplit: s.nsplit,
                     y: s.at_y,
                 },
-            )?);
-            let k = spec.num_attention_heads * spec.head_dim;
-            out.extend(matvec::matvec(
-                gpu,
-                s.at_y,
-                k,
-                None,
-                &[(w.o_proj, s.h)],
-                true,
             )?);
         }
     }
@@ -336,15 +379,7 @@ pub fn ffn_launches(
                 shared: m.shared.as_ref().map(|(a, b)| (a, b)),
                 shared_gate: m.shared_gate,
             };
-            let persistent = if moe::persistent_enabled() {
-                moe::moe_persistent(gpu, &w, &io, s.moe_sync)?
-            } else {
-                None
-            };
-            match persistent {
-                Some(l) => out.push(l),
-                None => out.extend(moe::moe(gpu, &w, &io)?),
-            }
+            out.extend(moe::moe(gpu, &w, &io)?);
         }
         (DevFfn::Dense(m), FeedForwardSpec::Dense { .. }) => {
             out.extend(moe::dense_mlp(gpu, &m.gate_up, &m.down, &io)?)
@@ -368,6 +403,12 @@ pub fn body_launches(
     );
     let mut out = vec![matvec::embed(gpu, &model.embed, s.cursor, s.h)?];
     for i in 0..spec.num_layers() {
+        if s.fused_layers {
+            if let Some(l) = crate::decode_layer::layer_launches(gpu, spec, model, layout, s, i)? {
+                out.extend(l);
+                continue;
+            }
+        }
         out.extend(layer_launches(gpu, spec, model, layout, s, i)?);
     }
     Ok(out)

@@ -164,7 +164,7 @@ pub fn out_cols(n: usize, swiglu: bool) -> usize {
 pub fn gemm(gpu: &Gpu, g: &Gemm) -> Result<Launch> {
     let w = g.w;
     let k = w.cols;
-    ensure!(k % BK == 0, "gemm: K = {k} must be a multiple of {BK}");
+    ensure!(k.is_multiple_of(BK), "gemm: K = {k} must be a multiple of {BK}");
     ensure!(
         g.a.ld >= k && !g.a.hi.is_null(),
         "gemm: activations of row stride {} for K = {k}",
@@ -181,20 +181,20 @@ pub fn gemm(gpu: &Gpu, g: &Gemm) -> Result<Launch> {
         g.n
     );
     ensure!(
-        !g.swiglu || g.n % 2 == 0,
+        !g.swiglu || g.n.is_multiple_of(2),
         "gemm: SwiGLU needs gate and up rows (N = {} is odd)",
         g.n
     );
     if w.format.is_affine() {
         ensure!(
-            w.group_size % w.format.per_unit() == 0,
+            w.group_size.is_multiple_of(w.format.per_unit()),
             "gemm: group size {} too small",
             w.group_size
         );
     }
     match &g.grouped {
         Some(gr) => ensure!(
-            gr.expert_rows >= g.n && w.rows % gr.expert_rows == 0 && gr.max_tiles > 0,
+            gr.expert_rows >= g.n && w.rows.is_multiple_of(gr.expert_rows) && gr.max_tiles > 0,
             "gemm: {} W rows do not split into experts of {} rows (N = {})",
             w.rows,
             gr.expert_rows,

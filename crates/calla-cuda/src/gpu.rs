@@ -67,6 +67,7 @@ fn module_of(function: &str) -> Option<&'static str> {
         ("penalty_", "select"),
         ("fill_", "fill"),
         ("grid_sync_", "grid_sync"),
+        ("decode_layer_", "decode_layer"),
         ("gemm_", "gemm"),
         ("prefill_dn_", "deltanet_prefill"),
         ("prefill_attn_", "attention_prefill"),
@@ -175,9 +176,18 @@ impl Gpu {
         Ok(f)
     }
 
+    /// The SM clock the device reports (its maximum), in MHz.
+    pub fn clock_mhz(&self) -> Result<f64> {
+        let khz = self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)?;
+        Ok(khz as f64 / 1e3)
+    }
+
     /// How many blocks of `name` (with `block` threads and `smem` bytes of dynamic shared memory)
     /// fit on one SM at once (registers, shared memory, threads), at least 1.
     pub fn resident_blocks(&self, name: &str, block: u32, smem: u32) -> Result<usize> {
+        self.bind()?; // the occupancy query needs the context current on this thread
         let f = self.function(name)?;
         allow_dynamic_smem(&f, name, smem)?;
         let n = f

@@ -13,8 +13,20 @@ pub const THREADS: u32 = 256;
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GridSync {
+    /// u64 arrivals, zeroed once
     pub counter: u64,
-    pub generation: u64,
+    /// u64 target of the last barrier opened by grid_open, zeroed once
+    pub opened: u64,
+}
+
+impl GridSync {
+    /// A barrier's two zeroed device words.
+    pub fn new(arena: &mut Arena) -> Result<GridSync> {
+        Ok(GridSync {
+            counter: arena.alloc_zeroed(8)?.0,
+            opened: arena.alloc_zeroed(8)?.0,
+        })
+    }
 }
 
 #[repr(C)]
@@ -46,10 +58,7 @@ impl GridSyncCheck {
         );
         let blocks = gpu.sm_count as usize * per_sm;
         Ok(GridSyncCheck {
-            sync: GridSync {
-                counter: arena.alloc_zeroed(4)?.0,
-                generation: arena.alloc_zeroed(4)?.0,
-            },
+            sync: GridSync::new(arena)?,
             slots: arena.alloc_zeroed(blocks * 4)?,
             errors: arena.alloc_zeroed(4)?,
             blocks,

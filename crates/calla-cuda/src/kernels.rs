@@ -53,6 +53,23 @@ pub const DELTANET_PREFILL: KernelSource = mma_kernel_source!("deltanet_prefill"
 pub const ATTENTION_PREFILL: KernelSource = mma_kernel_source!("attention_prefill");
 pub const MOE_PREFILL: KernelSource = mma_kernel_source!("moe_prefill");
 
+/// The persistent decode layer (kernels/decode_layer.cu): its phases are the device functions of the
+/// decode kernels, so their sources come first (with `#line` markers for compiler messages).
+pub const DECODE_LAYER: KernelSource = KernelSource {
+    name: "decode_layer",
+    file: "decode_layer.cu",
+    source: concat!(
+        "#define PHASES_ONLY\n#line 1 \"matvec.cu\"\n",
+        include_str!("../kernels/matvec.cu"),
+        "\n#line 1 \"deltanet.cu\"\n",
+        include_str!("../kernels/deltanet.cu"),
+        "\n#line 1 \"moe.cu\"\n",
+        include_str!("../kernels/moe.cu"),
+        "\n#line 1 \"decode_layer.cu\"\n",
+        include_str!("../kernels/decode_layer.cu")
+    ),
+};
+
 /// Every module, in load order.
 pub const ALL: &[&KernelSource] = &[
     &MATVEC,
@@ -62,6 +79,7 @@ pub const ALL: &[&KernelSource] = &[
     &SELECT,
     &FILL,
     &GRID_SYNC,
+    &DECODE_LAYER,
     &GEMM,
     &DELTANET_PREFILL,
     &ATTENTION_PREFILL,

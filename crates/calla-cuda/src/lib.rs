@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod backend;
+pub mod decode_layer;
 pub mod deltanet;
 pub mod forward;
 pub mod gpu;

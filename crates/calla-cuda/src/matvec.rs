@@ -47,7 +47,7 @@ pub fn input_smem_bytes(k: usize, format: Format) -> u32 {
 /// one batch of STAGE_BATCH chunks per thread (K ≤ 8,192 at 256 threads).
 pub fn check_staged_input(k: usize, normalised: bool) -> Result<()> {
     ensure!(
-        k % 8 == 0,
+        k.is_multiple_of(8),
         "decode kernels need input widths divisible by 8, got {k}"
     );
     ensure!(
@@ -116,6 +116,39 @@ fn matvec_one(
     segments: &[&(DevMatrix, DPtr)],
     accumulate: bool,
 ) -> Result<Launch> {
+    let p = params(x, k, norm, segments, accumulate)?;
+    let format = segments[0].0.format;
+    let total = p.total_rows as usize;
+    let units = k / format.per_unit();
+    let width = lanes_per_row(units);
+    let (shape, rows_per_group) = row_shape(units, width);
+    let rows_per_pass = THREADS as usize / width * rows_per_group;
+    let name = format!("matvec_{}{shape}", format.suffix());
+    let smem = input_smem_bytes(k, format);
+    // One wave: every block resident at once, grid-striding over the rows, so each block pays the
+    // x̂ prologue once however many rows it takes.
+    let resident = gpu.resident_blocks(&name, THREADS, smem)?;
+    let grid = total
+        .div_ceil(rows_per_pass)
+        .min(gpu.sm_count as usize * resident)
+        .max(1);
+    Launch::new(gpu, &name, (grid as u32, 1, 1), THREADS, smem, &p)
+}
+
+/// The parameters of one matvec launch over `segments` (one format, at most 4; also phases 1 and 3
+/// of the persistent decode layer).
+pub fn params(
+    x: DPtr,
+    k: usize,
+    norm: Option<(DPtr, f32)>,
+    segments: &[&(DevMatrix, DPtr)],
+    accumulate: bool,
+) -> Result<MatvecParams> {
+    ensure!(
+        !segments.is_empty() && segments.len() <= MAX_SEGMENTS,
+        "matvec: {} segments in one launch (1 to {MAX_SEGMENTS})",
+        segments.len()
+    );
     let format = segments[0].0.format;
     check_staged_input(k, norm.is_some())?;
     let mut p = MatvecParams {
@@ -145,20 +178,7 @@ fn matvec_one(
         total += m.rows;
     }
     p.total_rows = total as i32;
-    let units = k / format.per_unit();
-    let width = lanes_per_row(units);
-    let (shape, rows_per_group) = row_shape(units, width);
-    let rows_per_pass = THREADS as usize / width * rows_per_group;
-    let name = format!("matvec_{}{shape}", format.suffix());
-    let smem = input_smem_bytes(k, format);
-    // One wave: every block resident at once, grid-striding over the rows, so each block pays the
-    // x̂ prologue once however many rows it takes.
-    let resident = gpu.resident_blocks(&name, THREADS, smem)?;
-    let grid = total
-        .div_ceil(rows_per_pass)
-        .min(gpu.sm_count as usize * resident)
-        .max(1);
-    Launch::new(gpu, &name, (grid as u32, 1, 1), THREADS, smem, &p)
+    Ok(p)
 }
 
 #[repr(C)]

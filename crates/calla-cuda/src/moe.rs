@@ -173,7 +173,7 @@ fn down_launch(
 ) -> Result<Launch> {
     let m = routed.map(|r| r.0).or(shared.map(|s| s.0)).expect("a slot");
     ensure!(
-        io.act_stride % 32 == 0,
+        io.act_stride.is_multiple_of(32),
         "moe down: activation stride {} is not a multiple of 32",
         io.act_stride
     );
@@ -211,7 +211,7 @@ fn down_launch(
     )
 }
 
-/// The router launch's parameters (also phase 1 of the persistent MoE kernel).
+/// The router launch's parameters (also phase 4 of the persistent decode layer).
 fn router_params(w: &MoeWeightsRef, io: &MoeIo) -> RouterParams {
     RouterParams {
         h: io.h.0,
@@ -356,24 +356,22 @@ pub struct MoePersistentParams {
     pub sync: GridSync,
 }
 
-/// Whether the decode step runs the MoE block as one persistent launch (moe_persistent_*) when the
-/// formats allow it: CALLA_MOE_PERSISTENT=1. Off by default: correct (the GPU tests pass with it) but
-/// measured slower, 33.0 µs per layer against 28.2 for the three launches at c1198e9, because every
-/// block repeats the top-8 selection (~7 µs of ALU, as when gate/up did it); docs/performance.md.
-pub fn persistent_enabled() -> bool {
-    std::env::var("CALLA_MOE_PERSISTENT").is_ok_and(|v| v == "1")
+/// Floats of shared memory the persistent MoE phases need: x̂ with the router's and the experts'
+/// unit sums (router, gate/up), then the slots' activations with theirs (down), in the same bytes.
+pub fn persistent_smem_floats(w: &MoeWeightsRef, io: &MoeIo, slots: usize) -> usize {
+    let d = w.router.cols;
+    (crate::matvec::xpad_len(d) + d / w.router.format.per_unit() + d / 32)
+        .max(slots * (crate::matvec::xpad_len(io.act_stride) + io.act_stride / 32))
 }
 
-/// The sparse MoE block as one launch whose phases are separated by grid barriers (moe.cu
-/// `moe_persistent_*`), or None when the weights' formats have no such kernel (then use [`moe`]):
-/// router q8 or q4, routed and shared experts q4 with one group size. `sync` is a barrier's
-/// device state (counter zeroed once).
-pub fn moe_persistent(
-    gpu: &Gpu,
+/// The parameters of the persistent decode layer's MoE phases (4–6, decode_layer.cu), or
+/// None when the formats have no persistent kernel: router q8 or q4, routed and shared experts q4
+/// with one group size (a multiple of 32).
+pub fn persistent_params(
     w: &MoeWeightsRef,
     io: &MoeIo,
     sync: GridSync,
-) -> Result<Option<Launch>> {
+) -> Result<Option<MoePersistentParams>> {
     let d = w.router.cols;
     let (e, a) = (w.experts, w.top_k);
     let expert_q4 = |m: &DevMatrix| m.format == Format::Q4 && m.group_size == w.gate_up.group_size;
@@ -386,7 +384,9 @@ pub fn moe_persistent(
         && shared_ok
         && e <= MAX_EXPERTS
         && a <= MAX_ACTIVE
-        && io.act_stride % 32 == 0)
+        && a <= e
+        && w.gate_up.group_size.is_multiple_of(32)
+        && io.act_stride.is_multiple_of(32))
     {
         return Ok(None);
     }
@@ -430,21 +430,5 @@ pub fn moe_persistent(
         },
         sync,
     };
-    let name = format!("moe_persistent_{}_q4", w.router.format.suffix());
-    // x̂ with the router's and the experts' unit sums (phases 1–2), then the slots' activations with
-    // theirs (phase 3), in the same bytes
-    let floats = (crate::matvec::xpad_len(d) + d / w.router.format.per_unit() + d / 32)
-        .max(slots * (crate::matvec::xpad_len(io.act_stride) + io.act_stride / 32));
-    let smem = (floats * 4) as u32;
-    // every block resident at once, or the grid barrier never opens
-    let resident = gpu.resident_blocks(&name, THREADS, smem)?;
-    let grid = gpu.sm_count as usize * resident;
-    Ok(Some(Launch::new(
-        gpu,
-        &name,
-        (grid as u32, 1, 1),
-        THREADS,
-        smem,
-        &p,
-    )?))
+    Ok(Some(p))
 }

@@ -24,6 +24,11 @@ fn parameter_structs_match_the_kernels() {
             size_of::<moe::MoePersistentParams>(),
             408,
         ),
+        (
+            "LayerParams",
+            size_of::<calla_cuda::decode_layer::LayerParams>(),
+            1024,
+        ),
         ("SelectConfig", size_of::<select::SelectConfig>(), 64),
         ("SelectResult", size_of::<select::SelectResult>(), 176),
         ("SelectParams", size_of::<select::SelectParams>(), 88),

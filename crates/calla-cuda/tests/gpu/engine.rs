@@ -211,6 +211,62 @@ fn engine_matches_cpu_at_real_shapes() {
     ));
 }
 
+/// The persistent decode layer (decode_layer.cu, CALLA_DECODE=layer) against the chain of launches
+/// it replaces, on the same real-dims weights: the same greedy tokens, log-probabilities within
+/// 2e-4 (the phases are the chain's device functions; only the gated norm's Σo² is summed in
+/// another order). Also the CPU engine for both, so neither path can drift alone.
+#[test]
+#[ignore = "needs CUDA"]
+fn engine_layer_kernel_matches_chain() {
+    let _ = gpu();
+    let spec = real_spec(
+        &[
+            LayerKind::DeltaNet,
+            LayerKind::Attention,
+            LayerKind::DeltaNet,
+            LayerKind::DeltaNet,
+        ],
+        248_320,
+    );
+    let w = random_weights(&spec, Some(Quant::Q4), 93);
+    let mut rng = Rng::new(94);
+    let prompt: Vec<u32> = (0..24).map(|_| rng.below(spec.vocab_size) as u32).collect();
+    let steps = 24;
+    let run = |fused: bool| {
+        let opts = CudaOptions {
+            max_context: Some(prompt.len() + steps + 8),
+            kv_cache: KvDtype::Bf16,
+            fused_layers: fused,
+            ..Default::default()
+        };
+        let mut be = CudaBackend::new(&spec, &w, &opts).unwrap();
+        greedy(&mut be, &prompt, steps)
+    };
+    let (chain, fused) = (run(false), run(true));
+    let same = chain
+        .iter()
+        .zip(&fused)
+        .take_while(|(a, b)| a.token == b.token)
+        .count();
+    let worst = chain
+        .iter()
+        .zip(&fused)
+        .take(same)
+        .map(|(a, b)| (a.logprob - b.logprob).abs())
+        .fold(0f32, f32::max);
+    let pass = check_count(
+        "decode layer kernel vs chain: real dims ×4 q4",
+        &format!("{steps} steps, bf16 KV"),
+        same,
+        steps,
+        &format!("Δlp {worst:.1e}"),
+    ) && worst <= 2e-4;
+    assert!(
+        pass,
+        "fused layer decode differs from the chain (Δlp {worst:.1e}, {same}/{steps})"
+    );
+}
+
 #[derive(serde::Deserialize)]
 struct Reference {
     prompt_ids: Vec<u32>,

@@ -241,7 +241,7 @@ pub fn matrix(rng: &mut Rng, rows: usize, cols: usize, std: f32, fmt: WFmt) -> M
 /// A large MLX q4/g64 matrix drawn directly as codes (uniform 0..15) with bf16 scales around
 /// std/4.61 and centring biases, generated on all cores (the real expert stacks are 0.8 G weights).
 pub fn random_q4(rows: usize, cols: usize, std: f32, seed: u64) -> Matrix {
-    assert!(cols % 64 == 0);
+    assert!(cols.is_multiple_of(64));
     let words_per_row = cols / 8;
     let groups_per_row = cols / 64;
     let mut codes = vec![0u32; rows * words_per_row];
@@ -303,7 +303,7 @@ pub fn random_weights(spec: &ModelSpec, fmt: WFmt, gain: f32, seed: u64) -> Weig
     let mut rng = Rng::new(seed);
     let d = spec.hidden_size;
     let mut m = |rng: &mut Rng, rows: usize, cols: usize| {
-        let f = if cols % 64 != 0 && matches!(fmt, WFmt::Q4 | WFmt::Q8) {
+        let f = if !cols.is_multiple_of(64) && matches!(fmt, WFmt::Q4 | WFmt::Q8) {
             WFmt::Bf16
         } else {
             fmt
