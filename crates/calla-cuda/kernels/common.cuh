@@ -71,6 +71,35 @@ __device__ __forceinline__ float2 ld_nc_f2(const void* p) {
     return v;
 }
 
+// ---------------------------------------------------------------- lab: where a kernel's time goes
+// CALLA_NVRTC_DEFINES=LAB_STAMPS: lane 0 of each warp stamps the SM clock at fixed points of the
+// decode dot products (see the LAB_STAMP calls), into this module's lab_stamp_buf
+// [block][warp][event]; `<module>_lab_stamps` kernels copy it out and `calla bench` reports the
+// intervals. LAB_AFTER(v) makes the next stamp wait for v (a load's arrival, a result).
+#if defined(LAB_STAMPS)
+#define LAB_EVENTS 8
+#define LAB_BLOCKS 512
+__device__ u64 lab_stamp_buf[LAB_BLOCKS * 8 * LAB_EVENTS];
+__device__ __forceinline__ void lab_stamp(int event) {
+    if ((threadIdx.x & 31) == 0 && blockIdx.x < LAB_BLOCKS && threadIdx.x < 256) {
+        u64 c;
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(c));
+        lab_stamp_buf[((i64)blockIdx.x * 8 + (threadIdx.x >> 5)) * LAB_EVENTS + event] = c;
+    }
+}
+#define LAB_STAMP(e) lab_stamp(e)
+#define LAB_AFTER(v) do { u32 lab_t_; asm volatile("mov.b32 %0, %1;" : "=r"(lab_t_) : "r"(__float_as_uint(__uint_as_float(v)))); } while (0)
+#define LAB_STAMPS_COPY(name) \
+    extern "C" __global__ void name(u64 dst) { \
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < LAB_BLOCKS * 8 * LAB_EVENTS; i += gridDim.x * blockDim.x) \
+            ((u64*)dst)[i] = lab_stamp_buf[i]; \
+    }
+#else
+#define LAB_STAMP(e)
+#define LAB_AFTER(v)
+#define LAB_STAMPS_COPY(name)
+#endif
+
 // ---------------------------------------------------------------- reductions
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -399,6 +428,10 @@ __device__ __forceinline__ void rows_dot(const RowPtr (&rows)[R], const float* x
                     if (F::AFFINE) sb[k][r] = row_group_params(rows[r], u / units_per_group);
                 }
             }
+        }
+        if (u0 == lane) { // lab: the first pass's first load has arrived
+            LAB_AFTER(w[0][0].x);
+            LAB_STAMP(2);
         }
 #pragma unroll
         for (int k = 0; k < U; ++k) {

@@ -89,7 +89,13 @@ __device__ __forceinline__ void matvec_rows(const MatvecParams& p, const float* 
         float acc[R];
 #pragma unroll
         for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+        const bool lab_first = base == blockIdx.x * rows_per_pass;
+        if (lab_first) LAB_STAMP(1);
         rows_dot<FMT, R, U>(rows, xs, usum, units, lane, width, units_per_group, acc);
+        if (lab_first) {
+            LAB_AFTER(__float_as_uint(acc[0]));
+            LAB_STAMP(3);
+        }
 #pragma unroll
         for (int i = 0; i < R; ++i) {
             const float v = group_sum(acc[i], width);
@@ -98,7 +104,9 @@ __device__ __forceinline__ void matvec_rows(const MatvecParams& p, const float* 
                 y[local[i]] = p.accumulate ? ldcg_f32(y + local[i]) + v : v;
             }
         }
+        if (lab_first) LAB_STAMP(4);
     }
+    LAB_STAMP(5);
 }
 
 template <int FMT, int R, int U>
@@ -108,6 +116,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     float* xs = (float*)smem4;
     float* usum = xs + xpad_len(p.K);
     __shared__ float red[32];
+    LAB_STAMP(0);
     griddep_launch_dependents();
     griddep_wait();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, red);
@@ -154,6 +163,7 @@ EMBED_KERNEL(embed_bf16, FMT_BF16)
 EMBED_KERNEL(embed_f16, FMT_F16)
 EMBED_KERNEL(embed_q4, FMT_Q4)
 EMBED_KERNEL(embed_q8, FMT_Q8)
+LAB_STAMPS_COPY(matvec_lab_stamps)
 #endif // PHASES_ONLY
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).

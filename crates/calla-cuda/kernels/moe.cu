@@ -269,6 +269,8 @@ __device__ __forceinline__ void down_rows(const DownParams& p, const float* acts
     const int upg_r = F::AFFINE ? p.group_size / F::W : 1;
     const MatrixRef ex = p.experts, sh = p.shared; // by value: no local-memory copies in the loop
     float acc[DOWN_ROWS] = {};
+    LAB_STAMP(1);
+    bool lab_first = true;
     for (int f0 = lane; f0 < total; f0 += DOWN_UNITS * 32) {
         uint4 w[DOWN_UNITS][DOWN_ROWS];
         float2 sb[DOWN_UNITS][DOWN_ROWS];
@@ -286,6 +288,10 @@ __device__ __forceinline__ void down_rows(const DownParams& p, const float* acts
                     if (F::AFFINE) sb[k][i] = row_group_params(row, unit / upg_r);
                 }
             }
+        }
+        if (lab_first) { // lab: the first pass's first load has arrived
+            LAB_AFTER(w[0][0].x);
+            LAB_STAMP(2);
         }
 #pragma unroll
         for (int k = 0; k < DOWN_UNITS; ++k) {
@@ -308,11 +314,14 @@ __device__ __forceinline__ void down_rows(const DownParams& p, const float* acts
             }
         }
     }
+    LAB_AFTER(__float_as_uint(acc[0]));
+    LAB_STAMP(3);
 #pragma unroll
     for (int i = 0; i < DOWN_ROWS; ++i) {
         const float v = warp_sum(acc[i]);
         if (lane == 0 && r0 + i < p.D) ((float*)p.h)[r0 + i] = ldcg_f32((const float*)p.h + r0 + i) + v;
     }
+    LAB_STAMP(4);
 }
 
 template <int FMT>
@@ -324,6 +333,7 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
     float* acts = (float*)smem4;
     __shared__ int slot_expert[MOE_MAX_A + 1];
     __shared__ float slot_weight[MOE_MAX_A + 1];
+    LAB_STAMP(0);
     griddep_launch_dependents();
     griddep_wait();
     const int nslots = p.slot_end - p.slot_begin, pitch = xpad_len(p.act_stride);
@@ -364,6 +374,7 @@ MOE_KERNELS(bf16, FMT_BF16)
 MOE_KERNELS(f16, FMT_F16)
 MOE_KERNELS(q4, FMT_Q4)
 MOE_KERNELS(q8, FMT_Q8)
+LAB_STAMPS_COPY(moe_lab_stamps)
 #endif // PHASES_ONLY
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).

@@ -499,6 +499,11 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
             digests,
         });
     }
+    if std::env::var("CALLA_NVRTC_DEFINES")
+        .is_ok_and(|d| d.split(',').any(|x| x.trim() == "LAB_STAMPS"))
+    {
+        eprint!("{}", lab_stamps_report(&be)?);
+    }
     if let Some((buf, layer)) = be.scratch.layer_timing {
         // lab: the timed layer's phases in the last decode step (CALLA_LAYER_TIMING=layer)
         let mut stamps =
@@ -645,4 +650,56 @@ mod tests {
         assert!(all_equal(&["a", "a", "a"]));
         assert!(!all_equal(&["a", "a", "b"]));
     }
+}
+
+/// Lab (kernels built with CALLA_NVRTC_DEFINES=LAB_STAMPS): where the last decode step's last
+/// launch of the matvec module (the lm_head) and of the MoE down kernel spent their time, per warp
+/// from the SM clock (common.cuh `lab_stamp`): kernel entry (0), dot products start (1), first
+/// weight load arrived (2), dot products done (3), reduced and stored (4), kernel end (5, matvec).
+fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
+    const BLOCKS: usize = 512;
+    const EVENTS: usize = 8;
+    let gpu = be.gpu();
+    let mut out = String::new();
+    let mhz = gpu.clock_mhz()?;
+    let mut arena = crate::pool::Arena::new(gpu, 1 << 20);
+    let buf = arena.alloc_zeroed(BLOCKS * 8 * EVENTS * 8)?;
+    for (kernel, what) in [
+        ("matvec_lab_stamps", "matvec (last launch: lm_head)"),
+        ("moe_lab_stamps", "moe down (last layer)"),
+    ] {
+        gpu.launch(kernel, (64, 1, 1), 256, 0, &buf.0)?;
+        gpu.sync()?;
+        let mut st = vec![0u64; BLOCKS * 8 * EVENTS];
+        gpu.dtoh(buf, &mut st)?;
+        out +=
+            &format!("lab stamps, {what}: µs per warp (SM clock at {mhz:.0} MHz), median / max\n");
+        let names = [
+            "entry → dots start (prologue)",
+            "dots start → first load arrived",
+            "first load → dots done",
+            "dots done → stored",
+            "stored → kernel end",
+        ];
+        for (i, name) in names.iter().enumerate() {
+            let (a, b) = (i, i + 1);
+            let mut v: Vec<f64> = (0..BLOCKS * 8)
+                .filter_map(|w| {
+                    let (x, y) = (st[w * EVENTS + a], st[w * EVENTS + b]);
+                    (x != 0 && y > x && y - x < 1 << 24).then(|| (y - x) as f64 / mhz)
+                })
+                .collect();
+            if v.is_empty() {
+                continue;
+            }
+            v.sort_by(f64::total_cmp);
+            out += &format!(
+                "  {name:<34} {:7.2} {:7.2}  ({} warps)\n",
+                v[v.len() / 2],
+                v[v.len() - 1],
+                v.len()
+            );
+        }
+    }
+    Ok(out)
 }

@@ -164,7 +164,10 @@ pub fn out_cols(n: usize, swiglu: bool) -> usize {
 pub fn gemm(gpu: &Gpu, g: &Gemm) -> Result<Launch> {
     let w = g.w;
     let k = w.cols;
-    ensure!(k.is_multiple_of(BK), "gemm: K = {k} must be a multiple of {BK}");
+    ensure!(
+        k.is_multiple_of(BK),
+        "gemm: K = {k} must be a multiple of {BK}"
+    );
     ensure!(
         g.a.ld >= k && !g.a.hi.is_null(),
         "gemm: activations of row stride {} for K = {k}",
