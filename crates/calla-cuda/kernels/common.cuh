@@ -208,19 +208,26 @@ __host__ __device__ __forceinline__ int xpad_len(int n) { return n + (((n + 31) 
 
 // 16-byte read-only load the compiler may schedule freely (no `volatile`), so a batch of them is
 // issued back to back before the first use.
+// Lab (CALLA_NVRTC_DEFINES): WEIGHT_LD selects the weight loads' PTX form, e.g.
+// WEIGHT_LD=ld.global.cg (L2 only) or ld.global.nc.L1::no_allocate; default ld.global.nc.
+#ifndef WEIGHT_LD
+#define WEIGHT_LD ld.global.nc
+#endif
+#define WEIGHT_LD_STR2(x) #x
+#define WEIGHT_LD_STR(x) WEIGHT_LD_STR2(x)
 __device__ __forceinline__ uint4 ldg16(const void* p) {
     uint4 v;
-    asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    asm(WEIGHT_LD_STR(WEIGHT_LD) ".v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
 __device__ __forceinline__ u32 ldg_u32(const void* p) {
     u32 v;
-    asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    asm(WEIGHT_LD_STR(WEIGHT_LD) ".u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
 __device__ __forceinline__ float2 ldg_f2(const void* p) {
     float2 v;
-    asm("ld.global.nc.v2.f32 {%0,%1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    asm(WEIGHT_LD_STR(WEIGHT_LD) ".v2.f32 {%0,%1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
     return v;
 }
 
