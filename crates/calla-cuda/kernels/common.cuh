@@ -208,10 +208,12 @@ __host__ __device__ __forceinline__ int xpad_len(int n) { return n + (((n + 31) 
 
 // 16-byte read-only load the compiler may schedule freely (no `volatile`), so a batch of them is
 // issued back to back before the first use.
-// Lab (CALLA_NVRTC_DEFINES): WEIGHT_LD selects the weight loads' PTX form, e.g.
-// WEIGHT_LD=ld.global.cg (L2 only) or ld.global.nc.L1::no_allocate; default ld.global.nc.
+// Weights are read once per step and never reused by the SM that reads them, so their lines are
+// not kept in L1 (no_allocate): measured +3% decode at 4K against plain ld.global.nc (329.7 → 339.9
+// tok/s, docs/performance.md "Session 3"); ld.global.cg (L2 only) measured no better than .nc.
+// Lab: CALLA_NVRTC_DEFINES=WEIGHT_LD=<ptx form> tries another form.
 #ifndef WEIGHT_LD
-#define WEIGHT_LD ld.global.nc
+#define WEIGHT_LD ld.global.nc.L1::no_allocate
 #endif
 #define WEIGHT_LD_STR2(x) #x
 #define WEIGHT_LD_STR(x) WEIGHT_LD_STR2(x)
