@@ -168,37 +168,27 @@ __device__ __forceinline__ void matvec_body_bulk(const MatvecParams& p) {
     float* xs = (float*)smem4;
     float* usum = xs + xpad_len(p.K);
     __shared__ float red[32];
-    __shared__ __align__(8) u64 bars[2];
+    __shared__ __align__(8) u64 bar;
     const int units = p.K / F::W;
     const int width = lanes_per_row(units);
     const int rows_per_pass = blockDim.x / width * R;
     const i64 rb = p.seg[0].m.row_bytes;
     const i64 pitch = (i64)p.seg[0].m.groups_per_row * (p.seg[0].m.param_f32 ? 8 : 4);
-    // two tiles (double buffer), 16-byte aligned after x̂ and the unit sums: pass i uses tile i % 2
-    u8* tiles = (u8*)(usum + ((units + 3) & ~3));
-    const i64 tile_bytes = rows_per_pass * (rb + pitch);
-    const int stride = gridDim.x * rows_per_pass;
-    if (threadIdx.x == 0) {
-        mbar_init(&bars[0]);
-        mbar_init(&bars[1]);
-    }
+    u8* tile = (u8*)(usum + ((units + 3) & ~3)); // 16-byte aligned after x̂ and the unit sums
+    u8* ptile = tile + rows_per_pass * rb;
+    if (threadIdx.x == 0) mbar_init(&bar);
     __syncthreads();
-    if (threadIdx.x == 0)
-        for (int i = 0; i < 2; ++i) {
-            const int b = blockIdx.x * rows_per_pass + i * stride;
-            u8* t = tiles + i * tile_bytes;
-            if (b < p.total_rows) matvec_bulk_pass(p, b, rows_per_pass, t, t + rows_per_pass * rb, &bars[i]);
-        }
+    if (threadIdx.x == 0 && blockIdx.x * rows_per_pass < p.total_rows)
+        matvec_bulk_pass(p, blockIdx.x * rows_per_pass, rows_per_pass, tile, ptile, &bar);
     griddep_launch_dependents();
     griddep_wait();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, red);
     const int group = threadIdx.x / width, lane = threadIdx.x % width;
     const int units_per_group = F::AFFINE ? p.group_size / F::W : 1;
-    int pass = 0;
-    for (int base = blockIdx.x * rows_per_pass; base < p.total_rows; base += stride, ++pass) {
-        u8* tile = tiles + (pass & 1) * tile_bytes;
-        u8* ptile = tile + rows_per_pass * rb;
-        mbar_wait(&bars[pass & 1], (pass >> 1) & 1);
+    u32 parity = 0;
+    for (int base = blockIdx.x * rows_per_pass; base < p.total_rows; base += gridDim.x * rows_per_pass) {
+        mbar_wait(&bar, parity);
+        parity ^= 1u;
         RowPtr rows[R];
         int seg_of[R], local[R];
 #pragma unroll
@@ -227,10 +217,9 @@ __device__ __forceinline__ void matvec_body_bulk(const MatvecParams& p) {
                 y[local[i]] = p.accumulate ? ldcg_f32(y + local[i]) + v : v;
             }
         }
-        __syncthreads(); // every warp is done with the tile before pass + 2 overwrites it
-        const int next = base + 2 * stride;
-        if (threadIdx.x == 0 && next < p.total_rows)
-            matvec_bulk_pass(p, next, rows_per_pass, tile, ptile, &bars[pass & 1]);
+        __syncthreads(); // every warp is done with the tile before the next pass overwrites it
+        const int next = base + gridDim.x * rows_per_pass;
+        if (threadIdx.x == 0 && next < p.total_rows) matvec_bulk_pass(p, next, rows_per_pass, tile, ptile, &bar);
     }
 }
 #endif

@@ -143,7 +143,7 @@ fn matvec_one(
         // x̂, the unit sums rounded to 16 bytes, then the pass's codes and group parameters
         let units = k / format.per_unit();
         smem = ((xpad_len(k) + units.next_multiple_of(4)) * 4
-            + 2 * rows_per_pass * (m0.row_bytes() + pitch)) as u32; // two tiles
+            + rows_per_pass * (m0.row_bytes() + pitch)) as u32;
         p.bulk = 1;
     }
     // One wave: every block resident at once, grid-striding over the rows, so each block pays the
