@@ -11,7 +11,11 @@
 // Shared-memory tiles are rows of 16-byte chunks, chunk c of row r stored at chunk c ^ (r & swz) so
 // that the 8 rows one ldmatrix phase reads fall in different banks.
 
-// smem_addr (a generic pointer's shared-window address) is common.cuh's.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
 
 // 16-byte global → shared copy; `src_bytes` = 0 writes zeros (rows past the end).
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
