@@ -247,28 +247,6 @@ __device__ __forceinline__ float ldcg_f32(const float* p) {
     return v;
 }
 
-// Shared-memory twins of the weight loads, for weights a bulk copy staged (matvec.cu MATVEC_BULK).
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ uint4 lds16(const void* p) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(smem_addr(p)));
-    return v;
-}
-__device__ __forceinline__ u32 lds_u32(const void* p) {
-    u32 v;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem_addr(p)));
-    return v;
-}
-__device__ __forceinline__ float2 lds_f2(const void* p) {
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_addr(p)));
-    return v;
-}
-
 // The code q (0..15 or 0..255) as a float without the quarter-rate integer conversion: the bits
 // 0x4B000000 | q are the float 2^23 + q exactly, and subtracting 2^23 leaves q exactly.
 __device__ __forceinline__ float code_to_f32(u32 q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
@@ -406,10 +384,9 @@ __device__ __forceinline__ RowPtr row_ptr(const MatrixRef& m, i64 row) {
     r.param_f32 = m.param_f32;
     return r;
 }
-template <bool SMEM = false>
 __device__ __forceinline__ float2 row_group_params(const RowPtr& r, int g) {
-    if (r.param_f32) return SMEM ? lds_f2(r.params + (i64)g * 8) : ldg_f2(r.params + (i64)g * 8);
-    const u32 pair = SMEM ? lds_u32(r.params + (i64)g * 4) : ldg_u32(r.params + (i64)g * 4);
+    if (r.param_f32) return ldg_f2(r.params + (i64)g * 8);
+    const u32 pair = ldg_u32(r.params + (i64)g * 4);
     return make_float2(bf16_lo(pair), bf16_hi(pair));
 }
 
@@ -438,8 +415,7 @@ __device__ __forceinline__ void prefetch_rows(const MatrixRef& m, i64 row0, int 
 // lane + width, …; the caller reduces over its `width` lanes. U units per row are loaded before any
 // is used, so R·U 16-byte loads per lane are in flight at once. `usum` [units] holds Σx over each
 // unit (affine formats: Σ (s·q + b)·x = s·Σ q·x + b·Σ x). `units_per_group` = G / W.
-// SMEM: the rows' codes and parameters are in shared memory (a bulk copy put them there).
-template <int FMT, int R, int U, bool SMEM = false>
+template <int FMT, int R, int U>
 __device__ __forceinline__ void rows_dot(const RowPtr (&rows)[R], const float* x, const float* usum, int units,
                                          int lane, int width, int units_per_group, float (&acc)[R]) {
     typedef Fmt<FMT> F;
@@ -456,9 +432,9 @@ __device__ __forceinline__ void rows_dot(const RowPtr (&rows)[R], const float* x
                     const u32 fake = (u32)(size_t)(rows[r].data + (i64)u * 16);
                     w[k][r] = make_uint4(fake, fake * 3u, fake * 5u, fake * 7u);
 #else
-                    w[k][r] = SMEM ? lds16(rows[r].data + (i64)u * 16) : ldg16(rows[r].data + (i64)u * 16);
+                    w[k][r] = ldg16(rows[r].data + (i64)u * 16);
 #endif
-                    if (F::AFFINE) sb[k][r] = row_group_params<SMEM>(rows[r], u / units_per_group);
+                    if (F::AFFINE) sb[k][r] = row_group_params(rows[r], u / units_per_group);
                 }
             }
         }

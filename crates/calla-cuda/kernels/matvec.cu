@@ -38,8 +38,6 @@ struct MatvecParams {
     float eps;
     int accumulate; // 1: y += W·x (residual add)
     int total_rows;
-    int bulk;       // lab (MATVEC_BULK): the launcher sized shared memory for the bulk-copied tile
-    int pad;
 };
 
 // How many passes ahead a block asks L2 for its rows (CALLA_NVRTC_DEFINES=MATVEC_PREFETCH_PASSES=n
@@ -111,127 +109,8 @@ __device__ __forceinline__ void matvec_rows(const MatvecParams& p, const float* 
     LAB_STAMP(5);
 }
 
-#if defined(MATVEC_BULK)
-// ---------------------------------------------------------------- lab: weights by bulk copy
-// MATVEC_BULK: thread 0 copies the block's rows of each pass (codes and group parameters, contiguous
-// per segment) into shared memory with cp.async.bulk (the TMA engine: one instruction per segment,
-// off the load/store pipeline), the first pass before x̂ is staged; the dot products read shared
-// memory. Needs 16-byte multiples for a row's codes and parameters (else the usual loads).
-__device__ __forceinline__ void mbar_init(u64* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-    asm volatile("{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}"
-                 ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-// Thread 0: the pass's rows [base, base + n) of every segment they cross, codes to `tile`, parameters
-// to `ptile`, completing on `bar`.
-__device__ __forceinline__ void matvec_bulk_pass(const MatvecParams& p, int base, int n, u8* tile, u8* ptile,
-                                                 u64* bar) {
-    const i64 rb = p.seg[0].m.row_bytes;
-    const i64 pitch = (i64)p.seg[0].m.groups_per_row * (p.seg[0].m.param_f32 ? 8 : 4);
-    const int hi_all = min(base + n, p.total_rows);
-    u32 bytes = 0;
-    int start = 0;
-    for (int s = 0; s < p.nseg; ++s) {
-        const int lo = max(base, start), hi = min(hi_all, start + p.seg[s].rows);
-        if (lo < hi) bytes += (u32)((hi - lo) * (rb + (p.seg[s].m.params ? pitch : 0)));
-        start += p.seg[s].rows;
-    }
-    mbar_expect(bar, bytes);
-    start = 0;
-    for (int s = 0; s < p.nseg; ++s) {
-        const int lo = max(base, start), hi = min(hi_all, start + p.seg[s].rows);
-        if (lo < hi) {
-            bulk_copy(tile + (i64)(lo - base) * rb, (const u8*)p.seg[s].m.data + (i64)(lo - start) * rb,
-                      (u32)((hi - lo) * rb), bar);
-            if (p.seg[s].m.params)
-                bulk_copy(ptile + (i64)(lo - base) * pitch, (const u8*)p.seg[s].m.params + (i64)(lo - start) * pitch,
-                          (u32)((hi - lo) * pitch), bar);
-        }
-        start += p.seg[s].rows;
-    }
-}
-
-template <int FMT, int R, int U>
-__device__ __forceinline__ void matvec_body_bulk(const MatvecParams& p) {
-    typedef Fmt<FMT> F;
-    extern __shared__ float4 smem4[];
-    float* xs = (float*)smem4;
-    float* usum = xs + xpad_len(p.K);
-    __shared__ float red[32];
-    __shared__ __align__(8) u64 bar;
-    const int units = p.K / F::W;
-    const int width = lanes_per_row(units);
-    const int rows_per_pass = blockDim.x / width * R;
-    const i64 rb = p.seg[0].m.row_bytes;
-    const i64 pitch = (i64)p.seg[0].m.groups_per_row * (p.seg[0].m.param_f32 ? 8 : 4);
-    u8* tile = (u8*)(usum + ((units + 3) & ~3)); // 16-byte aligned after x̂ and the unit sums
-    u8* ptile = tile + rows_per_pass * rb;
-    if (threadIdx.x == 0) mbar_init(&bar);
-    __syncthreads();
-    if (threadIdx.x == 0 && blockIdx.x * rows_per_pass < p.total_rows)
-        matvec_bulk_pass(p, blockIdx.x * rows_per_pass, rows_per_pass, tile, ptile, &bar);
-    griddep_launch_dependents();
-    griddep_wait();
-    stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, red);
-    const int group = threadIdx.x / width, lane = threadIdx.x % width;
-    const int units_per_group = F::AFFINE ? p.group_size / F::W : 1;
-    u32 parity = 0;
-    for (int base = blockIdx.x * rows_per_pass; base < p.total_rows; base += gridDim.x * rows_per_pass) {
-        mbar_wait(&bar, parity);
-        parity ^= 1u;
-        RowPtr rows[R];
-        int seg_of[R], local[R];
-#pragma unroll
-        for (int i = 0; i < R; ++i) {
-            int r = min(base + group * R + i, p.total_rows - 1), s = 0;
-            while (s < p.nseg - 1 && r >= p.seg[s].rows) {
-                r -= p.seg[s].rows;
-                ++s;
-            }
-            seg_of[i] = s;
-            local[i] = r;
-            const int t = min(group * R + i, p.total_rows - 1 - base); // row within the tile
-            rows[i].data = tile + (i64)t * rb;
-            rows[i].params = ptile + (i64)t * pitch;
-            rows[i].param_f32 = p.seg[0].m.param_f32;
-        }
-        float acc[R];
-#pragma unroll
-        for (int i = 0; i < R; ++i) acc[i] = 0.0f;
-        rows_dot<FMT, R, U, true>(rows, xs, usum, units, lane, width, units_per_group, acc);
-#pragma unroll
-        for (int i = 0; i < R; ++i) {
-            const float v = group_sum(acc[i], width);
-            if (lane == 0 && base + group * R + i < p.total_rows) {
-                float* y = (float*)p.seg[seg_of[i]].out;
-                y[local[i]] = p.accumulate ? ldcg_f32(y + local[i]) + v : v;
-            }
-        }
-        __syncthreads(); // every warp is done with the tile before the next pass overwrites it
-        const int next = base + gridDim.x * rows_per_pass;
-        if (threadIdx.x == 0 && next < p.total_rows) matvec_bulk_pass(p, next, rows_per_pass, tile, ptile, &bar);
-    }
-}
-#endif
-
 template <int FMT, int R, int U>
 __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
-#if defined(MATVEC_BULK)
-    if (Fmt<FMT>::AFFINE && p.bulk) {
-        matvec_body_bulk<FMT, R, U>(p);
-        return;
-    }
-#endif
     typedef Fmt<FMT> F;
     extern __shared__ float4 smem4[];
     float* xs = (float*)smem4;
@@ -247,13 +126,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
 // The explicit minimum of 1 block per SM on _r4 is what the measured and parity-checked code was
 // compiled with; ptxas allocates registers differently without it (scripts/cubin-diff.py).
 #ifndef PHASES_ONLY // decode_layer.cu compiles this file for its device functions only
-#if defined(MATVEC_BULK) // 2 blocks per SM: the tile's loads need no registers in flight
-#define MATVEC_R4_MIN_BLOCKS 2
-#else
-#define MATVEC_R4_MIN_BLOCKS 1
-#endif
 #define MATVEC_KERNEL(name, FMT) \
-    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS, MATVEC_R4_MIN_BLOCKS) name##_r4(const MatvecParams p) { matvec_body<FMT, 4, 2>(p); } \
+    extern "C" __global__ void __launch_bounds__(MATVEC_THREADS, 1) name##_r4(const MatvecParams p) { matvec_body<FMT, 4, 2>(p); } \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) name##_r2(const MatvecParams p) { matvec_body<FMT, 2, 4>(p); }
 MATVEC_KERNEL(matvec_f32, FMT_F32)
 MATVEC_KERNEL(matvec_bf16, FMT_BF16)
@@ -293,5 +167,5 @@ LAB_STAMPS_COPY(matvec_lab_stamps)
 #endif // PHASES_ONLY
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
-static_assert(sizeof(MatvecParams) == 240, "MatvecParams layout differs from its Rust twin");
+static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");
 static_assert(sizeof(EmbedParams) == 64, "EmbedParams layout differs from its Rust twin");

@@ -30,9 +30,6 @@ pub struct MatvecParams {
     pub eps: f32,
     pub accumulate: i32,
     pub total_rows: i32,
-    /// lab (kernels built with MATVEC_BULK, CALLA_MATVEC_BULK=1): shared memory holds the pass's tile
-    pub bulk: i32,
-    pub pad: i32,
 }
 
 /// Floats of an activation vector of `n` in the padded shared-memory layout (common.cuh `xpad_len`:
@@ -127,25 +124,7 @@ fn matvec_one(
     let (shape, rows_per_group) = row_shape(units, width);
     let rows_per_pass = THREADS as usize / width * rows_per_group;
     let name = format!("matvec_{}{shape}", format.suffix());
-    let mut smem = input_smem_bytes(k, format);
-    let mut p = p;
-    let m0 = segments[0].0;
-    let pitch = m0.groups_per_row() * if m0.param_f32 { 8 } else { 4 };
-    if bulk_enabled()
-        && format.is_affine()
-        && m0.row_bytes() % 16 == 0
-        && pitch % 16 == 0
-        && segments.iter().all(|(m, _)| {
-            (m.row_bytes(), m.group_size, m.param_f32)
-                == (m0.row_bytes(), m0.group_size, m0.param_f32)
-        })
-    {
-        // x̂, the unit sums rounded to 16 bytes, then the pass's codes and group parameters
-        let units = k / format.per_unit();
-        smem = ((xpad_len(k) + units.next_multiple_of(4)) * 4
-            + rows_per_pass * (m0.row_bytes() + pitch)) as u32;
-        p.bulk = 1;
-    }
+    let smem = input_smem_bytes(k, format);
     // One wave: every block resident at once, grid-striding over the rows, so each block pays the
     // x̂ prologue once however many rows it takes.
     let resident = gpu.resident_blocks(&name, THREADS, smem)?;
@@ -154,11 +133,6 @@ fn matvec_one(
         .min(gpu.sm_count as usize * resident)
         .max(1);
     Launch::new(gpu, &name, (grid as u32, 1, 1), THREADS, smem, &p)
-}
-
-/// Lab switch CALLA_MATVEC_BULK=1 (with kernels built with MATVEC_BULK): weights by bulk copy.
-fn bulk_enabled() -> bool {
-    std::env::var("CALLA_MATVEC_BULK").is_ok_and(|v| v == "1")
 }
 
 /// The parameters of one matvec launch over `segments` (one format, at most 4; also phases 1 and 3

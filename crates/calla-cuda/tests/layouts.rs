@@ -8,7 +8,7 @@ fn parameter_structs_match_the_kernels() {
     use calla_cuda::*;
     let sizes = [
         ("MatrixRef", size_of::<weights::MatrixRef>(), 32),
-        ("MatvecParams", size_of::<matvec::MatvecParams>(), 240),
+        ("MatvecParams", size_of::<matvec::MatvecParams>(), 232),
         ("EmbedParams", size_of::<matvec::EmbedParams>(), 64),
         ("DeltaNetParams", size_of::<deltanet::DeltaNetParams>(), 128),
         (
@@ -27,7 +27,7 @@ fn parameter_structs_match_the_kernels() {
         (
             "LayerParams",
             size_of::<calla_cuda::decode_layer::LayerParams>(),
-            1040,
+            1024,
         ),
         ("SelectConfig", size_of::<select::SelectConfig>(), 64),
         ("SelectResult", size_of::<select::SelectResult>(), 176),
