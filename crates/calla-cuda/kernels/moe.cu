@@ -25,9 +25,7 @@
 #define MOE_THREADS 256
 #define MOE_MAX_E 1024
 #define MOE_MAX_A 32
-#ifndef ROUTER_ROWS // lab: CALLA_NVRTC_DEFINES=ROUTER_ROWS=n (the launcher reads the same define)
 #define ROUTER_ROWS 2 // router rows per lane group
-#endif
 
 struct RouterParams {
     u64 h;           // [D]
@@ -247,9 +245,7 @@ struct DownParams {
     int D, I, Is, A, group_size, act_stride, slot_begin, slot_end;
 };
 
-#ifndef DOWN_ROWS // lab: CALLA_NVRTC_DEFINES=DOWN_ROWS=n (the launcher reads the same define)
 #define DOWN_ROWS 2 // output rows per warp
-#endif
 #define DOWN_UNITS 5 // units per row in flight per lane: 9 slots × 16 q4 units fit one pass of 32 lanes
 
 // One warp's DOWN_ROWS output rows from r0: h[r] += Σ over the slots [slot_begin, slot_end) of

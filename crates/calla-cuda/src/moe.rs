@@ -11,14 +11,10 @@ use crate::weights::{DevMatrix, MatrixRef};
 pub const THREADS: u32 = 256;
 pub const MAX_EXPERTS: usize = 1024;
 pub const MAX_ACTIVE: usize = 32;
-/// Router rows per lane group (moe.cu ROUTER_ROWS; 2, or a lab value from CALLA_NVRTC_DEFINES).
-fn router_rows() -> usize {
-    crate::nvrtc::define_value("ROUTER_ROWS").unwrap_or(2)
-}
-/// Output rows per warp in the down kernel (moe.cu DOWN_ROWS; 2, or a lab value).
-fn down_rows() -> usize {
-    crate::nvrtc::define_value("DOWN_ROWS").unwrap_or(2)
-}
+/// Router rows per lane group (moe.cu ROUTER_ROWS).
+const ROUTER_ROWS: usize = 2;
+/// Output rows per warp in the down kernel (moe.cu DOWN_ROWS).
+const DOWN_ROWS: usize = 2;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -201,7 +197,7 @@ fn down_launch(
     };
     // a warp takes DOWN_ROWS output rows; shared memory holds the slots' activations (padded) and
     // their sums per 16-byte unit
-    let rows_per_block = THREADS as usize / 32 * down_rows();
+    let rows_per_block = THREADS as usize / 32 * DOWN_ROWS;
     let smem = (slots.1 - slots.0)
         * (crate::matvec::xpad_len(io.act_stride) + io.act_stride / m.format.per_unit())
         * 4;
@@ -254,7 +250,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
     crate::matvec::check_staged_input(d, true)?;
     let p = router_params(w, io);
     let width = crate::matvec::lanes_per_row(d / w.router.format.per_unit());
-    let rows_per_block = THREADS as usize / width * router_rows();
+    let rows_per_block = THREADS as usize / width * ROUTER_ROWS;
     // one more block computes the shared-expert gate row
     let grid = e.div_ceil(rows_per_block) + w.shared_gate.is_some() as usize;
     let mut launches = vec![Launch::new(

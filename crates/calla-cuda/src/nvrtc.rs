@@ -84,16 +84,6 @@ fn options(arch: &str) -> Vec<String> {
     o
 }
 
-/// The value a lab define in CALLA_NVRTC_DEFINES gives `name` (`NAME=value`), for launchers whose
-/// grid depends on it.
-pub fn define_value(name: &str) -> Option<usize> {
-    let defs = std::env::var("CALLA_NVRTC_DEFINES").ok()?;
-    defs.split(',')
-        .filter_map(|d| d.trim().split_once('='))
-        .find(|(k, _)| *k == name)
-        .and_then(|(_, v)| v.trim().parse().ok())
-}
-
 fn cache_dir() -> Option<PathBuf> {
     if let Some(d) = std::env::var_os("CALLA_KERNEL_CACHE") {
         return Some(PathBuf::from(d));
