@@ -50,3 +50,46 @@ fn download_u32(gpu: &calla_cuda::gpu::Gpu, ptr: calla_cuda::gpu::DPtr) -> u32 {
     gpu.dtoh(ptr, &mut v).unwrap();
     v[0]
 }
+
+/// The floor of one launch inside a CUDA graph, by grid size: an empty kernel (the barrier check
+/// with no phases) of 1 block and of 1 or 2 blocks per SM, captured 20 times and replayed between
+/// events — what a decode kernel costs before it does anything (docs/performance.md, "Session 3").
+#[test]
+#[ignore = "needs CUDA"]
+fn launch_floor_by_grid() {
+    let gpu = gpu();
+    let fits = gpu
+        .resident_blocks("grid_sync_check", calla_cuda::grid_sync::THREADS, 0)
+        .unwrap();
+    let mut arena = Arena::new(&gpu, 1 << 20);
+    let mut shapes = vec![(1usize, "1 block".to_string())];
+    for per_sm in [1, 2, 3].into_iter().filter(|&n| n <= fits) {
+        shapes.push((per_sm, format!("{per_sm}/SM")));
+    }
+    for (i, (per_sm, label)) in shapes.iter().enumerate() {
+        let check = GridSyncCheck::new(&gpu, &mut arena, *per_sm).unwrap();
+        let mut launch = check.launch(&gpu, 0).unwrap();
+        if i == 0 {
+            launch.grid = (1, 1, 1);
+        }
+        let reps = vec![launch; 20];
+        let graph = calla_cuda::graph::StepGraph::capture(&gpu, &reps).unwrap();
+        graph.replay(&gpu).unwrap();
+        let event = || {
+            gpu.ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .unwrap()
+        };
+        let (start, stop) = (event(), event());
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            start.record(&gpu.stream).unwrap();
+            graph.replay(&gpu).unwrap();
+            stop.record(&gpu.stream).unwrap();
+            gpu.sync().unwrap();
+            best = best.min(start.elapsed_ms(&stop).unwrap() as f64 * 1e3 / 20.0);
+        }
+        let blocks = if i == 0 { 1 } else { check.blocks };
+        println!("| empty kernel in a graph: {label:<22} | {blocks} blocks × 256 | {best:.2} µs per launch | | | INFO |");
+    }
+}
