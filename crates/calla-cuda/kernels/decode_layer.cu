@@ -1,7 +1,9 @@
 // decode_layer.cu: one decoder layer's decode step as one persistent launch (docs/persistent-decode.md).
 // Compiled after matvec.cu, deltanet.cu and moe.cu (kernels.rs): its phases are their device
 // functions, so the arithmetic is the chain's, phase by phase. Kernel boundaries become grid barriers
-// (common.cuh; ~1.8 µs against ~3.5 µs of launch floor plus a fresh prologue per kernel).
+// (common.cuh, ~1.4 µs). Opt-in (CALLA_DECODE=layer): measured slower than the chain of launches
+// (226 vs 333 tok/s; an empty launch costs only ~0.8 µs in the graph, and the phases kept every
+// dependent chain of the kernels they replace: docs/performance.md, "Session 3").
 //
 // Phases (a grid barrier after each but the last):
 //   1. in-projections: qkv|z|b|a = W_in · rmsnorm(h)·gain                      (DeltaNet layers only)
@@ -35,9 +37,10 @@ struct LayerParams {
     u64 timing;              // 0, or (lab, CALLA_LAYER_TIMING) u64 [LAYER_EVENTS][2][LAYER_TIMED_BLOCKS]
 };
 
-// Lab timing (CALLA_LAYER_TIMING=layer): thread 0 of each block stamps the SM clock and the global
-// timer at each event: 0 start, then per phase "work done" and "barrier passed" (1–2 in-proj, 3–4
-// DeltaNet, 5–6 out-proj, 7–8 router / routing, 9–10 gate/up, 11 down).
+// Lab timing (CALLA_LAYER_TIMING=layer): thread 0 of each block stamps the SM clock at each event
+// (and the global timer at the start only: reading it costs microseconds): 0 start, then per phase
+// "work done" and "barrier passed" (1–2 in-proj, 3–4 DeltaNet, 5–6 out-proj, 7–8 router / routing,
+// 9–10 gate/up, 11 down; 12–14 for LAYER_LAB_REPEAT).
 #define LAYER_EVENTS 15
 #define LAYER_TIMED_BLOCKS 1024 // the buffer's width (decode_layer.rs MAX_TIMED_BLOCKS)
 __device__ __forceinline__ void layer_stamp(const LayerParams& p, int event) {
