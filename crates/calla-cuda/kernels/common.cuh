@@ -80,8 +80,10 @@ __device__ __forceinline__ float2 ld_nc_f2(const void* p) {
 #define LAB_EVENTS 8
 #define LAB_BLOCKS 512
 __device__ u64 lab_stamp_buf[LAB_BLOCKS * 8 * LAB_EVENTS];
+__shared__ int lab_on; // set by the kernels that stamp (LAB_ON): only their launches write stamps
+#define LAB_ON(cond) do { if (threadIdx.x == 0) lab_on = (cond); __syncthreads(); } while (0)
 __device__ __forceinline__ void lab_stamp(int event) {
-    if ((threadIdx.x & 31) == 0 && blockIdx.x < LAB_BLOCKS && threadIdx.x < 256) {
+    if (lab_on && (threadIdx.x & 31) == 0 && blockIdx.x < LAB_BLOCKS && threadIdx.x < 256) {
         u64 c;
         asm volatile("mov.u64 %0, %%clock64;" : "=l"(c));
         lab_stamp_buf[((i64)blockIdx.x * 8 + (threadIdx.x >> 5)) * LAB_EVENTS + event] = c;
@@ -95,6 +97,7 @@ __device__ __forceinline__ void lab_stamp(int event) {
             ((u64*)dst)[i] = lab_stamp_buf[i]; \
     }
 #else
+#define LAB_ON(cond)
 #define LAB_STAMP(e)
 #define LAB_AFTER(v)
 #define LAB_STAMPS_COPY(name)

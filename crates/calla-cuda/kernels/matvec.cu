@@ -116,6 +116,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     float* xs = (float*)smem4;
     float* usum = xs + xpad_len(p.K);
     __shared__ float red[32];
+    LAB_ON(p.nseg >= 3); // lab: the in-projections only (the lm_head would overwrite them)
     LAB_STAMP(0);
     griddep_launch_dependents();
     griddep_wait();

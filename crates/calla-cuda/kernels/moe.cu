@@ -163,6 +163,7 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
     const bool gate_block = p.shared_gate && blockIdx.x == gridDim.x - 1;
+    LAB_ON(0);
     griddep_launch_dependents();
     griddep_wait();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
@@ -220,6 +221,7 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
     float* xs = (float*)smem4;
     float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
+    LAB_ON(0);
     griddep_launch_dependents();
     griddep_wait();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
@@ -333,6 +335,7 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
     float* acts = (float*)smem4;
     __shared__ int slot_expert[MOE_MAX_A + 1];
     __shared__ float slot_weight[MOE_MAX_A + 1];
+    LAB_ON(1);
     LAB_STAMP(0);
     griddep_launch_dependents();
     griddep_wait();

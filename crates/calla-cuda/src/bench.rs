@@ -653,7 +653,7 @@ mod tests {
 }
 
 /// Lab (kernels built with CALLA_NVRTC_DEFINES=LAB_STAMPS): where the last decode step's last
-/// launch of the matvec module (the lm_head) and of the MoE down kernel spent their time, per warp
+/// in-projection and last MoE down kernel spent their time, per warp
 /// from the SM clock (common.cuh `lab_stamp`): kernel entry (0), dot products start (1), first
 /// weight load arrived (2), dot products done (3), reduced and stored (4), kernel end (5, matvec).
 fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
@@ -665,7 +665,7 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
     let mut arena = crate::pool::Arena::new(gpu, 1 << 20);
     let buf = arena.alloc_zeroed(BLOCKS * 8 * EVENTS * 8)?;
     for (kernel, what) in [
-        ("matvec_lab_stamps", "matvec (last launch: lm_head)"),
+        ("matvec_lab_stamps", "matvec (the last in-projection: layer 39, attention q|k|v)"),
         ("moe_lab_stamps", "moe down (last layer)"),
     ] {
         gpu.launch(kernel, (64, 1, 1), 256, 0, &buf.0)?;
