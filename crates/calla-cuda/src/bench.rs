@@ -665,7 +665,10 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
     let mut arena = crate::pool::Arena::new(gpu, 1 << 20);
     let buf = arena.alloc_zeroed(BLOCKS * 8 * EVENTS * 8)?;
     for (kernel, what) in [
-        ("matvec_lab_stamps", "matvec (the last in-projection: layer 39, attention q|k|v)"),
+        (
+            "matvec_lab_stamps",
+            "matvec (the last in-projection: layer 39, attention q|k|v)",
+        ),
         ("moe_lab_stamps", "moe down (last layer)"),
     ] {
         gpu.launch(kernel, (64, 1, 1), 256, 0, &buf.0)?;
