@@ -53,6 +53,20 @@ __device__ __forceinline__ void layer_stamp(const LayerParams& p, int event) {
     t[LAYER_TIMED_BLOCKS + blockIdx.x] = glob;
 }
 
+// usum[u] = Σ of the 32 floats of unit u of x (padded layout), u < n / 32, by the block's threads.
+__device__ __forceinline__ void unit_sums32(const float* xs, int n, float* usum) {
+    for (int u = threadIdx.x; u < n / 32; u += blockDim.x) {
+        const float4* v = (const float4*)(xs + xpad(32 * u));
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float4 a = v[i];
+            sum += a.x + a.y + a.z + a.w;
+        }
+        usum[u] = sum;
+    }
+}
+
 // x3[h·Dv + j] = norm_w[j] · o_hj / √(mean_j(o_h²) + eps) · silu(z_hj) into xs (padded), and Σ per
 // 32-float unit (q4) into usum. A warp takes LAYER_NORM_HEADS heads at once, each lane one or two
 // float4 of o and z per head, every load issued before any is used (one L2 round trip per batch; o
@@ -108,17 +122,7 @@ __device__ __forceinline__ void stage_gated_norm(const DeltaNetParams& p, float*
     }
     __syncthreads();
     if (!unit_sums_here) {
-        const int n = p.Hv * p.Dv; // a multiple of 32 (the launcher checks)
-        for (int u = threadIdx.x; u < n / 32; u += blockDim.x) {
-            const float4* v = (const float4*)(xs + xpad(32 * u));
-            float sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float4 a = v[i];
-                sum += a.x + a.y + a.z + a.w;
-            }
-            usum[u] = sum;
-        }
+        unit_sums32(xs, p.Hv * p.Dv, usum); // Hv·Dv: a multiple of 32 (the launcher checks)
         __syncthreads();
     }
 }
@@ -191,19 +195,7 @@ __device__ LAYER_PHASE void layer_router(const LayerParams& p) {
     const int D = r.D;
     float* usum_r = xs + xpad_len(D);
     stage_input<FR::AFFINE ? FR::W : 0>((const float*)r.h, (const float*)r.norm_gain, r.eps, D, xs, usum_r, red);
-    if (FR::W != 32) { // the experts' (q4) unit sums, after the router's
-        float* usum_e = usum_r + D / FR::W;
-        for (int u = threadIdx.x; u < D / 32; u += blockDim.x) {
-            const float4* v = (const float4*)(xs + xpad(32 * u));
-            float sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float4 a = v[i];
-                sum += a.x + a.y + a.z + a.w;
-            }
-            usum_e[u] = sum;
-        }
-    }
+    if (FR::W != 32) unit_sums32(xs, D, usum_r + D / FR::W); // the experts' (q4) unit sums, after the router's
     const int width = lanes_per_row(D / FR::W);
     const int per_item = blockDim.x / width * ROUTER_ROWS;
     const int row_items = (r.E + per_item - 1) / per_item;

@@ -504,17 +504,8 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
     {
         eprint!("{}", lab_stamps_report(&be)?);
     }
-    if let Some((buf, layer)) = be.scratch.layer_timing {
-        // lab: the timed layer's phases in the last decode step (CALLA_LAYER_TIMING=layer)
-        let mut stamps =
-            vec![0u64; crate::decode_layer::EVENTS * 2 * crate::decode_layer::MAX_TIMED_BLOCKS];
-        be.gpu().dtoh(buf, &mut stamps)?;
-        let mhz = be.gpu().clock_mhz()?;
-        eprint!(
-            "layer {layer}: {}",
-            crate::decode_layer::timing_report(&stamps, mhz)
-        );
-    }
+    // lab: the timed layer's phases in the last decode step (CALLA_LAYER_TIMING=layer)
+    layer_timing_report(&be, "")?;
     let mut profile = Vec::new();
     if opts.profile {
         let context = *contexts.last().unwrap_or(&opts.prompt_len);
@@ -527,17 +518,8 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         fake_context(&be, cs, context, opts.seed + 99)?;
         be.step(seq.as_mut(), &[prompt[0]], &sel(0))?;
         profile = be.profile_decode(seq.as_mut(), prompt[1 % prompt.len()], 20)?;
-        if let Some((buf, layer)) = be.scratch.layer_timing {
-            // lab: the same layer's launch replayed back to back (code and weights warm in L2)
-            let mut stamps =
-                vec![0u64; crate::decode_layer::EVENTS * 2 * crate::decode_layer::MAX_TIMED_BLOCKS];
-            be.gpu().dtoh(buf, &mut stamps)?;
-            let mhz = be.gpu().clock_mhz()?;
-            eprint!(
-                "layer {layer}, replayed: {}",
-                crate::decode_layer::timing_report(&stamps, mhz)
-            );
-        }
+        // lab: the same layer's launch replayed back to back (code and weights warm in L2)
+        layer_timing_report(&be, ", replayed")?;
         progress.end();
     }
     let first_token_repeats = all_equal(&first_tokens);
@@ -705,4 +687,19 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
         }
     }
     Ok(out)
+}
+
+/// Lab (CALLA_LAYER_TIMING=layer): print the timed layer's last launch, phase by phase.
+fn layer_timing_report(be: &CudaBackend, what: &str) -> Result<()> {
+    if let Some((buf, layer)) = be.scratch.layer_timing {
+        let mut stamps =
+            vec![0u64; crate::decode_layer::EVENTS * 2 * crate::decode_layer::MAX_TIMED_BLOCKS];
+        be.gpu().dtoh(buf, &mut stamps)?;
+        let mhz = be.gpu().clock_mhz()?;
+        eprint!(
+            "layer {layer}{what}: {}",
+            crate::decode_layer::timing_report(&stamps, mhz)
+        );
+    }
+    Ok(())
 }

@@ -6,14 +6,14 @@
 //! model), router q8 or q4; anything else keeps the chain of launches (forward.rs).
 
 use anyhow::Result;
-use calla_model::{FeedForwardSpec, ModelSpec};
+use calla_model::ModelSpec;
 
 use crate::deltanet::{self, DeltaNetIo, DeltaNetParams};
 use crate::forward::{Scratch, StateLayout};
 use crate::gpu::{DPtr, Gpu, Launch};
 use crate::matvec::{self, MatvecParams};
-use crate::moe::{self, MoeIo, MoePersistentParams, MoeWeightsRef};
-use crate::weights::{DevFfn, DevMatrix, DevMixer, DevModel, Format};
+use crate::moe::{self, MoePersistentParams};
+use crate::weights::{DevMatrix, DevMixer, DevModel, Format};
 
 pub const THREADS: u32 = 256;
 
@@ -143,42 +143,10 @@ pub fn layer_launches(
     let layer = &model.layers[i];
     let d = spec.hidden_size;
     let eps = spec.rms_norm_eps;
-    let (
-        DevFfn::Moe(m),
-        FeedForwardSpec::Moe {
-            num_experts,
-            top_k,
-            norm_topk_prob,
-            ..
-        },
-    ) = (&layer.ffn, &spec.feed_forward)
-    else {
+    let Some(w) = crate::forward::moe_weights(model, spec, i) else {
         return Ok(None);
     };
-    let w = MoeWeightsRef {
-        router: &m.router,
-        gate_up: &m.gate_up,
-        down: &m.down,
-        experts: *num_experts,
-        top_k: *top_k,
-        norm_topk: *norm_topk_prob,
-        shared: m.shared.as_ref().map(|(a, b)| (a, b)),
-        shared_gate: m.shared_gate,
-    };
-    let io = MoeIo {
-        h: s.h,
-        norm_gain: layer.post_gain,
-        eps,
-        xn: s.xn,
-        logits: s.router_logits,
-        topk_ids: s.topk_ids,
-        topk_w: s.topk_w,
-        shared_w: s.shared_w,
-        counter: s.router_counter,
-        act: s.act,
-        act_stride: s.act_stride,
-        one: s.one,
-    };
+    let io = crate::forward::moe_io(model, spec, s, i);
     if !d.is_multiple_of(32) {
         return Ok(None);
     }

@@ -334,21 +334,12 @@ pub fn attention_core_launches(
     Ok(out)
 }
 
-/// `h += ffn(rmsnorm(h))` (MoE with the shared expert, or the dense MLP) for layer `i`.
-pub fn ffn_launches(
-    gpu: &Gpu,
-    spec: &ModelSpec,
-    model: &DevModel,
-    s: &Scratch,
-    i: usize,
-) -> Result<Vec<Launch>> {
-    let layer = &model.layers[i];
-    let eps = spec.rms_norm_eps;
-    let mut out = Vec::new();
-    let io = MoeIo {
+/// The MoE (or dense MLP) step's device buffers for layer `i`.
+pub fn moe_io(model: &DevModel, spec: &ModelSpec, s: &Scratch, i: usize) -> MoeIo {
+    MoeIo {
         h: s.h,
-        norm_gain: layer.post_gain,
-        eps,
+        norm_gain: model.layers[i].post_gain,
+        eps: spec.rms_norm_eps,
         xn: s.xn,
         logits: s.router_logits,
         topk_ids: s.topk_ids,
@@ -358,8 +349,16 @@ pub fn ffn_launches(
         act: s.act,
         act_stride: s.act_stride,
         one: s.one,
-    };
-    match (&layer.ffn, &spec.feed_forward) {
+    }
+}
+
+/// Layer `i`'s routed experts, or None for a dense MLP (or weights that do not match the config).
+pub fn moe_weights<'a>(
+    model: &'a DevModel,
+    spec: &ModelSpec,
+    i: usize,
+) -> Option<MoeWeightsRef<'a>> {
+    match (&model.layers[i].ffn, &spec.feed_forward) {
         (
             DevFfn::Moe(m),
             FeedForwardSpec::Moe {
@@ -368,25 +367,38 @@ pub fn ffn_launches(
                 norm_topk_prob,
                 ..
             },
-        ) => {
-            let w = MoeWeightsRef {
-                router: &m.router,
-                gate_up: &m.gate_up,
-                down: &m.down,
-                experts: *num_experts,
-                top_k: *top_k,
-                norm_topk: *norm_topk_prob,
-                shared: m.shared.as_ref().map(|(a, b)| (a, b)),
-                shared_gate: m.shared_gate,
-            };
-            out.extend(moe::moe(gpu, &w, &io)?);
-        }
+        ) => Some(MoeWeightsRef {
+            router: &m.router,
+            gate_up: &m.gate_up,
+            down: &m.down,
+            experts: *num_experts,
+            top_k: *top_k,
+            norm_topk: *norm_topk_prob,
+            shared: m.shared.as_ref().map(|(a, b)| (a, b)),
+            shared_gate: m.shared_gate,
+        }),
+        _ => None,
+    }
+}
+
+/// `h += ffn(rmsnorm(h))` (MoE with the shared expert, or the dense MLP) for layer `i`.
+pub fn ffn_launches(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    s: &Scratch,
+    i: usize,
+) -> Result<Vec<Launch>> {
+    let io = moe_io(model, spec, s, i);
+    if let Some(w) = moe_weights(model, spec, i) {
+        return moe::moe(gpu, &w, &io);
+    }
+    match (&model.layers[i].ffn, &spec.feed_forward) {
         (DevFfn::Dense(m), FeedForwardSpec::Dense { .. }) => {
-            out.extend(moe::dense_mlp(gpu, &m.gate_up, &m.down, &io)?)
+            moe::dense_mlp(gpu, &m.gate_up, &m.down, &io)
         }
         _ => anyhow::bail!("layer {i}: feed-forward weights do not match the config"),
     }
-    Ok(out)
 }
 
 /// embed + every layer: one token through the model (no head).
