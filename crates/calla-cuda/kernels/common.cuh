@@ -590,9 +590,6 @@ __device__ __forceinline__ u64 ld_relaxed_u64(u64 addr) {
 }
 __device__ __forceinline__ void wait_until_at_least(u64 addr, u64 target) {
     while (ld_relaxed_u64(addr) < target) {
-#if defined(GRID_POLL_SLEEP_NS)
-        __nanosleep(GRID_POLL_SLEEP_NS);
-#endif
     }
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }

@@ -40,8 +40,8 @@ struct LayerParams {
 // Lab timing (CALLA_LAYER_TIMING=layer): thread 0 of each block stamps the SM clock at each event
 // (and the global timer at the start only: reading it costs microseconds): 0 start, then per phase
 // "work done" and "barrier passed" (1–2 in-proj, 3–4 DeltaNet, 5–6 out-proj, 7–8 router / routing,
-// 9–10 gate/up, 11 down; 12–14 for LAYER_LAB_REPEAT).
-#define LAYER_EVENTS 15
+// 9–10 gate/up, 11 down).
+#define LAYER_EVENTS 12
 #define LAYER_TIMED_BLOCKS 1024 // the buffer's width (decode_layer.rs MAX_TIMED_BLOCKS)
 __device__ __forceinline__ void layer_stamp(const LayerParams& p, int event) {
     if (p.timing == 0 || threadIdx.x != 0) return;
@@ -167,11 +167,6 @@ __device__ LAYER_PHASE void layer_out_proj(const LayerParams& p) {
     float* usum = xs + xpad_len(p.out.K);
     if (p.gated) stage_gated_norm(p.dn, xs, usum);
     else stage_input<32>((const float*)p.out.x, nullptr, 0.0f, p.out.K, xs, usum, nullptr);
-#if defined(LAYER_LAB_REPEAT) // lab: the staging again, its code and data now warm
-    layer_stamp(p, 12);
-    if (p.gated) stage_gated_norm(p.dn, xs, usum);
-    layer_stamp(p, 13);
-#endif
     matvec_rows<FMT_Q4, 2, 4>(p.out, xs, usum);
 }
 
@@ -256,14 +251,6 @@ __device__ LAYER_PHASE void layer_down(const LayerParams& p, const MoeShared& sh
     const int items = (d.D + nwarps * DOWN_ROWS - 1) / (nwarps * DOWN_ROWS);
     for (int item = blockIdx.x; item < items; item += gridDim.x)
         down_rows<FMT_Q4>(d, xs, usum_d, sh.slot_expert, sh.slot_weight, (item * nwarps + warp) * DOWN_ROWS);
-#if defined(LAYER_LAB_REPEAT) // lab: the same rows of other experts (warm code, cold weights)
-    layer_stamp(p, 14);
-    __shared__ int other_expert[MOE_MAX_A + 1];
-    for (int s = threadIdx.x; s < nslots; s += blockDim.x) other_expert[s] = (sh.slot_expert[s] + 17) % p.moe.r.E;
-    __syncthreads();
-    for (int item = blockIdx.x; item < items; item += gridDim.x)
-        down_rows<FMT_Q4>(d, xs, usum_d, other_expert, sh.slot_weight, (item * nwarps + warp) * DOWN_ROWS);
-#endif
 }
 
 template <int KPL, int RFMT>

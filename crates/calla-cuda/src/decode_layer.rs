@@ -32,7 +32,7 @@ pub struct LayerParams {
 }
 
 /// Events a timed layer launch stamps (decode_layer.cu LAYER_EVENTS).
-pub const EVENTS: usize = 15;
+pub const EVENTS: usize = 12;
 const EVENT_NAMES: [&str; EVENTS] = [
     "start",
     "in-proj done",
@@ -46,9 +46,6 @@ const EVENT_NAMES: [&str; EVENTS] = [
     "gate/up done",
     "barrier 5",
     "down done",
-    "(lab) staged once",
-    "(lab) staged twice",
-    "(lab) down, once",
 ];
 /// The most blocks a timed launch may have (the timing buffer's width).
 pub const MAX_TIMED_BLOCKS: usize = 1024;
@@ -150,7 +147,7 @@ pub fn layer_launches(
     if !d.is_multiple_of(32) {
         return Ok(None);
     }
-    let Some(moe_params) = moe::persistent_params(&w, &io, s.moe_sync)? else {
+    let Some(moe_params) = moe::persistent_params(&w, &io, s.layer_sync)? else {
         return Ok(None);
     };
     let slots = moe_params.d.slot_end as usize;

@@ -101,7 +101,7 @@ pub struct Scratch {
     pub shared_w: DPtr,
     pub router_counter: DPtr,
     /// the persistent decode layer's grid barrier (two zeroed u64 words)
-    pub moe_sync: crate::grid_sync::GridSync,
+    pub layer_sync: crate::grid_sync::GridSync,
     pub act: DPtr,
     pub act_stride: usize,
     pub one: DPtr,
@@ -140,6 +140,7 @@ impl Scratch {
         };
         // a multiple of 32: moe.cu's down kernel stages all slots' rows as one padded vector
         let act_stride = i.max(is).max(1).next_multiple_of(32);
+        let layer_sync = crate::grid_sync::GridSync::new(arena)?;
         let mut f32s = |n: usize| arena.alloc_zeroed(n.max(1) * 4);
         let scratch = Scratch {
             cursor: f32s(4)?,
@@ -164,10 +165,7 @@ impl Scratch {
             topk_w: f32s(a)?,
             shared_w: f32s(1)?,
             router_counter: f32s(1)?,
-            moe_sync: crate::grid_sync::GridSync {
-                counter: f32s(2)?.0,
-                opened: f32s(2)?.0,
-            },
+            layer_sync,
             act: f32s((a + 1) * act_stride)?,
             act_stride,
             one: f32s(1)?,

@@ -52,6 +52,8 @@ pub struct Gpu {
     pub modules_report: Vec<ModuleReport>,
     pub libraries: String,
     modules: HashMap<&'static str, Arc<CudaModule>>,
+    /// kernels::ON_DEMAND modules loaded so far
+    on_demand: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
 }
 
@@ -147,6 +149,7 @@ impl Gpu {
             modules_report,
             libraries: format!("driver: {driver}; nvrtc: {nvrtc_lib}"),
             modules,
+            on_demand: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
         }))
     }
@@ -166,14 +169,47 @@ impl Gpu {
         if let Some(f) = map.get(name) {
             return Ok(f.clone());
         }
-        let module = module_of(name)
-            .and_then(|m| self.modules.get(m))
-            .ok_or_else(|| anyhow!("no kernel module provides {name}"))?;
+        let module_name =
+            module_of(name).ok_or_else(|| anyhow!("no kernel module provides {name}"))?;
+        let module = match self.modules.get(module_name) {
+            Some(m) => m.clone(),
+            None => self.on_demand_module(module_name)?,
+        };
         let f = module
             .load_function(name)
             .with_context(|| format!("kernel {name} not found in its module"))?;
         map.insert(name.to_string(), f.clone());
         Ok(f)
+    }
+
+    /// A kernels::ON_DEMAND module, compiled (or fetched from the kernel cache) and loaded on first use.
+    fn on_demand_module(&self, module_name: &str) -> Result<Arc<CudaModule>> {
+        let mut loaded = self
+            .on_demand
+            .lock()
+            .map_err(|_| anyhow!("module table poisoned"))?;
+        if let Some(m) = loaded.get(module_name) {
+            return Ok(m.clone());
+        }
+        let k = kernels::ON_DEMAND
+            .iter()
+            .find(|k| k.name == module_name)
+            .ok_or_else(|| anyhow!("no kernel module named {module_name}"))?;
+        let c = nvrtc::compile(k, &self.arch, true)?;
+        tracing::info!(
+            "cuda: {} kernels loaded on first use ({} bytes of CUBIN, {:.1} s{})",
+            k.name,
+            c.cubin.len(),
+            c.seconds,
+            if c.from_cache { ", from the cache" } else { "" }
+        );
+        self.bind()?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
+            .with_context(|| format!("loading the {} kernels (CUBIN for {})", k.name, self.arch))?;
+        loaded.insert(k.name, module.clone());
+        Ok(module)
     }
 
     /// The SM clock the device reports (its maximum), in MHz.

@@ -70,7 +70,7 @@ pub const DECODE_LAYER: KernelSource = KernelSource {
     ),
 };
 
-/// Every module, in load order.
+/// The modules every engine loads at start-up, in load order.
 pub const ALL: &[&KernelSource] = &[
     &MATVEC,
     &DELTANET,
@@ -79,9 +79,12 @@ pub const ALL: &[&KernelSource] = &[
     &SELECT,
     &FILL,
     &GRID_SYNC,
-    &DECODE_LAYER,
     &GEMM,
     &DELTANET_PREFILL,
     &ATTENTION_PREFILL,
     &MOE_PREFILL,
 ];
+
+/// Modules compiled and loaded the first time one of their kernels is asked for: the opt-in
+/// persistent decode layer (CALLA_DECODE=layer), so that start-up does not compile it for everyone.
+pub const ON_DEMAND: &[&KernelSource] = &[&DECODE_LAYER];

@@ -224,7 +224,7 @@ pub fn compile_all(arch: &str) -> Result<Vec<String>> {
         probe::nvrtc_library()?
     )];
     let mut failures = Vec::new();
-    for k in crate::kernels::ALL {
+    for k in crate::kernels::ALL.iter().chain(crate::kernels::ON_DEMAND) {
         match compile(k, arch, false) {
             Ok(c) => {
                 lines.push(format!(
