@@ -44,5 +44,7 @@ for name in sys.argv[1:]:
         if m and fn:
             spill = re.search(r"(\d+) bytes spill stores", text[text.find(fn):])
             print(f"{name}.cu  {fn:<32} {m.group(1):>4} registers  {line.strip()}")
+        if "warning" in line.lower() or "Performance Loss" in line:
+            print(f"{name}.cu  {fn or ''}  {line.strip()}")
         if "spill" in line and fn and not line.strip().startswith("0 bytes stack frame, 0 bytes spill"):
             print(f"{name}.cu  {fn:<32} {line.strip()}")

@@ -51,6 +51,37 @@ struct GemmParams {
 // Tile byte offset of (row r, 16-byte chunk c) with the XOR swizzle.
 __device__ __forceinline__ u32 gemm_swz(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
 
+// Store one accumulator fragment: c0, c1 = (row ma, columns col, col + 1), c2, c3 = (row ma + 8,
+// same columns), through the launch's epilogue (row scale, SwiGLU pair, f32 / f32 += / planes).
+__device__ __forceinline__ void gemm_store_frag(const GemmParams& p, int ma, int m_end, int col, int n_out, const float* c) {
+    float* out_f = (float*)p.out;
+    const float* scale = (const float*)p.row_scale;
+    auto emit = [&](int m, int n, float v) {
+        if (scale) v *= scale[m];
+        const i64 idx = (i64)m * p.ldo + n;
+        if (p.mode == GEMM_OUT_F32) out_f[idx] = v;
+        else if (p.mode == GEMM_OUT_F32_ACC) out_f[idx] += v;
+        else store_planes((u16*)p.out, (u16*)p.out_lo, idx, v);
+    };
+    const int mb = ma + 8;
+    if (p.swiglu) {
+        const int jo = col >> 1; // (gate, up) of output column jo sit in (c0, c1)
+        if (jo < n_out) {
+            if (ma < m_end) emit(ma, jo, silu_f(c[0]) * c[1]);
+            if (mb < m_end) emit(mb, jo, silu_f(c[2]) * c[3]);
+        }
+    } else {
+        if (ma < m_end) {
+            if (col < p.N) emit(ma, col, c[0]);
+            if (col + 1 < p.N) emit(ma, col + 1, c[1]);
+        }
+        if (mb < m_end) {
+            if (col < p.N) emit(mb, col, c[2]);
+            if (col + 1 < p.N) emit(mb, col + 1, c[3]);
+        }
+    }
+}
+
 // XQ (q4, split, group size 64 = BK: one group per k-tile and W row): exact weights. The tile holds
 // the codes q (exact in bf16); per k-tile T = hi(x)·q + lo(x)·q and Σx (one mma of each plane
 // against a column of ones) are folded as acc += s·T + b·Σx with the tile's (scale, bias) per
@@ -322,41 +353,11 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     }
 
     // Epilogue.
-    float* out_f = (float*)p.out;
-    u16* out_hi = (u16*)p.out;
-    u16* out_lo = (u16*)p.out_lo;
-    const float* scale = (const float*)p.row_scale;
-    auto emit = [&](int m, int n, float v) {
-        if (scale) v *= scale[m];
-        const i64 idx = (i64)m * p.ldo + n;
-        if (p.mode == GEMM_OUT_F32) out_f[idx] = v;
-        else if (p.mode == GEMM_OUT_F32_ACC) out_f[idx] += v;
-        else store_planes(out_hi, out_lo, idx, v);
-    };
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int ma = m0 + wm * 64 + i * 16 + (lane >> 2), mb = ma + 8;
+        const int ma = m0 + wm * 64 + i * 16 + (lane >> 2);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int col = n0 + wn * 32 + j * 8 + 2 * (lane & 3);
-            const float* c = acc[i][j];
-            if (p.swiglu) {
-                const int jo = col >> 1; // (gate, up) of output column jo sit in (c0, c1)
-                if (jo < n_out) {
-                    if (ma < m_end) emit(ma, jo, silu_f(c[0]) * c[1]);
-                    if (mb < m_end) emit(mb, jo, silu_f(c[2]) * c[3]);
-                }
-            } else {
-                if (ma < m_end) {
-                    if (col < p.N) emit(ma, col, c[0]);
-                    if (col + 1 < p.N) emit(ma, col + 1, c[1]);
-                }
-                if (mb < m_end) {
-                    if (col < p.N) emit(mb, col, c[2]);
-                    if (col + 1 < p.N) emit(mb, col + 1, c[3]);
-                }
-            }
-        }
+        for (int j = 0; j < 4; ++j) gemm_store_frag(p, ma, m_end, n0 + wn * 32 + j * 8 + 2 * (lane & 3), n_out, acc[i][j]);
     }
 }
 
@@ -377,6 +378,234 @@ GEMM_KERNELS(q8, FMT_Q8, 2)
 // q4, split, group size 64 (the launcher picks it): exact codes, per-k-tile scale and bias (XQ above)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_q4_splitx(const GemmParams p) {
     gemm_body<FMT_Q4, 1, 1>(p);
+}
+
+// ---------------------------------------------------------------- q4 on Hopper warpgroup MMA
+// gemm_q4_wgx_split (sm_90a; the launcher picks it there for q4 in groups of 64, split): the XQ
+// product above — exact codes, per k-tile T = Σ_planes x·q, acc += s·T + b·Σx — on wgmma instead of
+// mma.sync, warp-specialised. Block 384 = 3 warpgroups, tile 128 (M) × 128 (N) × 64 (K):
+//   consumers (warpgroups 0, 1): warpgroup w owns rows 64w..64w+63 and all 128 columns; per k-tile
+//     8 wgmma m64n136k16 (4 k-slices × hi, lo), wait, fold the 68 T values into 64 accumulators.
+//     B carries 8 extra rows, the first all ones, so column 128 of T is Σx of the A rows over the
+//     k-tile: the bias term needs no separate reduction.
+//   producer (warpgroup 2): A by cp.async (row gather for the MoE), the codes by 16-byte register
+//     loads one tile ahead, written into the stage as bf16 (exact: 0x4300 | q − 128) with their
+//     (scale, bias); publishes a stage once its copies landed.
+// Stages (WGX_STAGES = 4) are handed over by mbarriers: full[s] (128 producer arrivals) and
+// empty[s] (one arrival per consumer warp, after its fold). Nothing else synchronises the warps,
+// so one warpgroup's fold overlaps the other's wgmma, and the producer's ALU work overlaps both.
+// Shared memory per stage (each part 1024-aligned, the 128-byte swizzle of gemm_swz): A hi, A lo
+// 16 KiB each, B 136 rows × 128 B, (scale, bias) of the 128 tile rows 1 KiB; then the barriers.
+// FLOPs 2·M·(N + 8)·K per plane. One block per SM (≤ 168 registers per thread).
+#define WGX_STAGES 4
+#ifndef WGX_LAG
+#define WGX_LAG 2 // tiles between the producer issuing a tile's copies and publishing it
+#endif
+#define WGX_THREADS 384
+#define WGX_BN 136
+#define WGX_B_BYTES (WGX_BN * 128)
+#define WGX_PAR_BYTES (GEMM_BN * 8)
+#define WGX_STAGE_BYTES (2 * GEMM_TILE_BYTES + WGX_B_BYTES + WGX_PAR_BYTES)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+
+__device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
+    constexpr u32 STAGE = WGX_STAGE_BYTES;
+    static_assert(STAGE % 1024 == 0, "stage parts must stay 1024-aligned");
+    extern __shared__ __align__(1024) u8 smem[];
+    // the 128-byte swizzle is anchored to 1024-byte boundaries; dynamic shared memory only promises 16
+    const u32 raw = smem_addr(smem);
+    const u32 sbase = (raw + 1023u) & ~1023u;
+    u8* const sgen = smem + (sbase - raw);
+    auto a_plane = [&](int s, int pl) -> u32 { return sbase + (u32)s * STAGE + (u32)pl * GEMM_TILE_BYTES; };
+    auto b_off = [&](int s) -> u32 { return (u32)s * STAGE + 2 * GEMM_TILE_BYTES; };
+    auto par_off = [&](int s) -> u32 { return b_off(s) + WGX_B_BYTES; };
+    const u32 full = sbase + WGX_STAGES * STAGE, empty = full + WGX_STAGES * 8; // u64 each
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    int m0, m_end;
+    i64 w_base = 0;
+    if (p.tile_map) {
+        if ((int)blockIdx.y >= *(const int*)p.tile_count) return;
+        const int4 t = ((const int4*)p.tile_map)[blockIdx.y];
+        m0 = t.y;
+        m_end = min(t.z, t.y + GEMM_BM);
+        w_base = (i64)t.x * p.expert_rows;
+    } else {
+        m0 = blockIdx.y * GEMM_BM;
+        m_end = min(p.M, m0 + GEMM_BM);
+    }
+    const int n0 = blockIdx.x * GEMM_BN;
+    const int n_out = p.swiglu ? p.N / 2 : p.N;
+    const int KT = p.K / GEMM_BK;
+
+    // B rows 128..135 of every stage: a row of ones, then zeros (written once, never overwritten)
+    for (int i = tid; i < WGX_STAGES * 64; i += WGX_THREADS) {
+        const int s = i / 64, c = i % 64; // chunk c of the 8 rows (swizzle is moot for uniform rows)
+        const u32 v = c < 8 ? 0x3F803F80u : 0u;
+        *(uint4*)(sgen + b_off(s) + GEMM_BN * 128 + c * 16) = make_uint4(v, v, v, v);
+    }
+    if (tid == 0) {
+        for (int s = 0; s < WGX_STAGES; ++s) {
+            mbar_init(full + 8 * s, 128);
+            mbar_init(empty + 8 * s, 8);
+        }
+    }
+    fence_proxy_async_smem();
+    __syncthreads();
+
+    if (warp >= 8) {
+        // ---------------- producer warpgroup
+        const int ptid = tid - 256;
+        // W row of tile row r (gate/up interleaved under SwiGLU), −1 past N
+        auto w_row = [&](int r) -> i64 {
+            if (p.swiglu) {
+                const int j = n0 / 2 + r / 2;
+                return j < n_out ? w_base + ((r & 1) ? n_out + j : j) : -1;
+            }
+            return n0 + r < p.N ? w_base + n0 + r : -1;
+        };
+        // A: chunk ch = ptid & 7 of tile rows (ptid >> 3) + 16i, i < 8, in both planes
+        const int ch = ptid & 7;
+        int a_row[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int m = m0 + (ptid >> 3) + 16 * i;
+            a_row[i] = m < m_end ? (p.a_rows ? ((const int*)p.a_rows)[m] : m) : -1;
+        }
+        // B: units (tile row (ptid >> 1) + 64j, 32 codes at column 32·(ptid & 1)), j < 2; and tile
+        // row ptid's (scale, bias)
+        const int b_u = ptid & 1;
+        const i64 b_row0 = w_row((ptid >> 1)), b_row1 = w_row((ptid >> 1) + 64), par_row = w_row(ptid);
+        uint4 b_raw[2];
+        float2 b_par;
+        auto load_b = [&](int kt) {
+            const u8* base = (const u8*)p.w.data + (i64)kt * 32 + b_u * 16;
+            b_raw[0] = b_row0 >= 0 ? ld_nc_16(base + b_row0 * p.w.row_bytes) : make_uint4(0u, 0u, 0u, 0u);
+            b_raw[1] = b_row1 >= 0 ? ld_nc_16(base + b_row1 * p.w.row_bytes) : make_uint4(0u, 0u, 0u, 0u);
+            b_par = par_row >= 0 ? load_group_params(p.w, par_row, kt) : make_float2(0.0f, 0.0f);
+        };
+        auto store_b = [&](int stage) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                // bf16 bits 0x4300 | q = 128 + q, minus 128 = q (exact); word w = codes 8w..8w+7, low nibble first
+                const u32 words[4] = {b_raw[j].x, b_raw[j].y, b_raw[j].z, b_raw[j].w};
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    u32 out[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const u32 pr = ((words[w] >> (8 * e)) & 0xFu) | (((words[w] >> (8 * e + 4)) & 0xFu) << 16) | 0x43004300u;
+                        out[e] = cvt_bf16x2(__uint_as_float(pr << 16) - 128.0f, __uint_as_float(pr & 0xffff0000u) - 128.0f);
+                    }
+                    *(uint4*)(sgen + b_off(stage) + gemm_swz((ptid >> 1) + 64 * j, b_u * 4 + w)) = make_uint4(out[0], out[1], out[2], out[3]);
+                }
+            }
+            *(float2*)(sgen + par_off(stage) + ptid * 8) = b_par;
+        };
+        const i64 lo_delta = (i64)(p.a_lo - p.a_hi);
+        auto load_a = [&](int stage, int kt) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const u8* src = (const u8*)p.a_hi + ((i64)max(a_row[i], 0) * p.lda + kt * GEMM_BK + ch * 8) * 2;
+                const u32 dst = gemm_swz((ptid >> 3) + 16 * i, ch);
+                const int bytes = a_row[i] >= 0 ? 16 : 0;
+                cp_async16(a_plane(stage, 0) + dst, src, bytes);
+                cp_async16(a_plane(stage, 1) + dst, src + lo_delta, bytes);
+            }
+        };
+
+        load_b(0);
+        for (int kt = 0; kt < KT; ++kt) {
+            const int s = kt % WGX_STAGES;
+            if (kt >= WGX_STAGES) mbar_wait(empty + 8 * s, ((kt / WGX_STAGES) + 1) & 1);
+            load_a(s, kt);
+            cp_async_commit();
+            store_b(s);
+            if (kt + 1 < KT) load_b(kt + 1);
+            // publish tile kt − LAG once its copies landed (the later tiles' are still in flight: the
+            // wait is for a copy issued LAG iterations ago, longer than its latency from L2)
+            if (kt >= WGX_LAG) {
+                cp_async_wait<WGX_LAG>();
+                fence_proxy_async_smem();
+                mbar_arrive(full + 8 * ((kt - WGX_LAG) % WGX_STAGES));
+            }
+        }
+        cp_async_wait_all();
+        fence_proxy_async_smem();
+        for (int kt = max(KT - WGX_LAG, 0); kt < KT; ++kt) mbar_arrive(full + 8 * (kt % WGX_STAGES));
+        return;
+    }
+
+    // ---------------- consumer warpgroups
+    const int wg = warp >> 2, wi = warp & 3;
+    float acc[64], tq[68];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 68; ++i) tq[i] = 0.0f;
+
+    for (int kt = 0; kt < KT; ++kt) {
+        const int st = kt % WGX_STAGES;
+        mbar_wait(full + 8 * st, (kt / WGX_STAGES) & 1);
+
+        const u64 db = wgmma_desc_sw128(sbase + b_off(st));
+        const u64 dh = wgmma_desc_sw128(a_plane(st, 0) + wg * 64 * 128);
+        const u64 dl = wgmma_desc_sw128(a_plane(st, 1) + wg * 64 * 128);
+#pragma unroll
+        for (int i = 0; i < 68; ++i) wgmma_pin(tq[i]);
+        wgmma_fence();
+#ifndef WGX_LAB_NO_MMA
+#pragma unroll
+        for (int ks = 0; ks < GEMM_BK / 16; ++ks) {
+            wgmma_m64n136k16_bf16(tq, dh + 2 * ks, db + 2 * ks, ks > 0);
+            wgmma_m64n136k16_bf16(tq, dl + 2 * ks, db + 2 * ks, 1);
+        }
+#endif
+        wgmma_commit();
+        wgmma_wait_all();
+#pragma unroll
+        for (int i = 0; i < 68; ++i) wgmma_pin(tq[i]);
+
+        // fold: column 128 of T (lane 4g) is Σx of rows g and g + 8
+        const float sx0 = __shfl_sync(0xffffffffu, tq[64], lane & ~3);
+        const float sx1 = __shfl_sync(0xffffffffu, tq[66], lane & ~3);
+        const u8* par = sgen + par_off(st) + (lane & 3) * 16;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const float4 sb = *(const float4*)(par + j * 64); // (s, b) of columns 8j + 2q, 8j + 2q + 1
+            acc[4 * j + 0] = fmaf(sb.x, tq[4 * j + 0], fmaf(sb.y, sx0, acc[4 * j + 0]));
+            acc[4 * j + 1] = fmaf(sb.z, tq[4 * j + 1], fmaf(sb.w, sx0, acc[4 * j + 1]));
+            acc[4 * j + 2] = fmaf(sb.x, tq[4 * j + 2], fmaf(sb.y, sx1, acc[4 * j + 2]));
+            acc[4 * j + 3] = fmaf(sb.z, tq[4 * j + 3], fmaf(sb.w, sx1, acc[4 * j + 3]));
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + 8 * st); // this warp is done with the stage
+    }
+
+    const int ma = m0 + wg * 64 + wi * 16 + (lane >> 2);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) gemm_store_frag(p, ma, m_end, n0 + j * 8 + 2 * (lane & 3), n_out, &acc[4 * j]);
+}
+#endif
+
+// The launcher asks for it on sm_90a only; elsewhere it compiles to an empty kernel.
+extern "C" __global__ void __launch_bounds__(WGX_THREADS, 1) gemm_q4_wgx_split(const GemmParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    gemm_wgx_body(p);
+#endif
 }
 
 // ---------------------------------------------------------------- RMSNorm rows → bf16 planes

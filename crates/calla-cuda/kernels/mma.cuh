@@ -79,3 +79,36 @@ __device__ __forceinline__ float load_planes(const u16* hi, const u16* lo, i64 i
     if (lo) v += bf16_to_f32(lo[i]);
     return v;
 }
+
+// ---------------------------------------------------------------- Hopper warpgroup MMA (sm_90a only)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Shared-memory matrix descriptor of a K-major bf16 tile in the 128-byte swizzle: rows of 64 values
+// (128 bytes), 16-byte chunk c of row r at chunk c ^ (r & 7) — the gemm_swz layout — in 8-row atoms
+// of 1024 bytes (the tile must start 1024-aligned). Bits: start address >> 4 [0, 14), leading byte
+// offset >> 4 [16, 30) (unused by swizzled K-major tiles), stride byte offset >> 4 [32, 46) = one
+// atom, swizzle mode [62, 64) = 1 (128 B). The k16 slice s of the tile starts 32·s bytes in.
+__device__ __forceinline__ u64 wgmma_desc_sw128(u32 smem_addr) {
+    return (u64)((smem_addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy that
+// wgmma reads operands through; each writing thread runs it before the barrier that publishes them.
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Pins accumulator registers at this point of the program (the compiler must not move their reads
+// above a wgmma wait or their writes below a wgmma issue).
+__device__ __forceinline__ void wgmma_pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// d (64 × 136 per warpgroup, f32) = (accumulate ? d : 0) + A·Bᵀ, A [64 × 16] and B [136 × 16] bf16,
+// both K-major in shared memory (descriptors). Fragment of warp w, lane 4g + q:
+// d[4j + 0, 1] = (row 16w + g, columns 8j + 2q, +1), d[4j + 2, 3] = (row 16w + g + 8, same columns).
+__device__ __forceinline__ void wgmma_m64n136k16_bf16(float* d, u64 desc_a, u64 desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n136k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67}, %68, %69, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+#endif

@@ -6,7 +6,8 @@
 //! adds lo(x)·hi(w) + hi(x)·lo(w), which is f32-accurate to ~1e-6 relative — the precision of the
 //! f32 CPU reference, for f32 fixture models, the router, and parity tests. q4 weights in groups of
 //! 64 take a split kernel that never rounds them: hi(x)·q + lo(x)·q on the exact codes, scaled per
-//! k-tile (gemm.cu, XQ).
+//! k-tile (gemm.cu, XQ); on Hopper (sm_90a) the same product runs on warpgroup MMA (wgmma,
+//! [`TensorCores`]).
 //!
 //! Legend: M rows (tokens or sorted expert slots), N output features (W rows), K input features,
 //! E experts.
@@ -145,7 +146,36 @@ const OUT_F32: i32 = 0;
 const OUT_F32_ACC: i32 = 1;
 const OUT_BF16: i32 = 2;
 
-/// Dynamic shared memory of one GEMM block.
+/// Which tensor-core instructions run the q4 (group 64) split products: Hopper's warpgroup MMA
+/// (`gemm_q4_wgx_split`, sm_90a only) or the portable `mma.sync` kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorCores {
+    MmaSync,
+    Wgmma,
+}
+
+impl TensorCores {
+    /// wgmma where the device has it (sm_90a), unless the lab switch `CALLA_GEMM=mma` asks for the
+    /// portable kernels (to measure one against the other end to end).
+    pub fn for_gpu(gpu: &Gpu) -> TensorCores {
+        if gpu.arch == "sm_90a" && std::env::var("CALLA_GEMM").as_deref() != Ok("mma") {
+            TensorCores::Wgmma
+        } else {
+            TensorCores::MmaSync
+        }
+    }
+}
+
+/// The wgmma kernel's pipeline (gemm.cu, `WGX_*`): 4 stages of A hi, A lo, B with its ones row,
+/// and (scale, bias); 2 consumer warpgroups and a producer.
+const WGX_STAGES: usize = 4;
+const WGX_THREADS: u32 = 384;
+fn wgx_smem_bytes() -> usize {
+    let stage = 2 * TILE_BYTES + (BN + 8) * 128 + BN * 8;
+    WGX_STAGES * stage + 1024 + WGX_STAGES * 16 // + the realignment to 1024 bytes + the mbarriers
+}
+
+/// Dynamic shared memory of one GEMM block (the `mma.sync` kernels).
 pub fn smem_bytes(format: Format, precision: Precision) -> usize {
     let split = precision == Precision::Split;
     let planes = 2 + split as usize + (split && format != Format::Bf16) as usize;
@@ -162,6 +192,11 @@ pub fn out_cols(n: usize, swiglu: bool) -> usize {
 }
 
 pub fn gemm(gpu: &Gpu, g: &Gemm) -> Result<Launch> {
+    gemm_on(gpu, g, TensorCores::for_gpu(gpu))
+}
+
+/// [`gemm`] on the given tensor-core instructions (tests compare the two).
+pub fn gemm_on(gpu: &Gpu, g: &Gemm, cores: TensorCores) -> Result<Launch> {
     let w = g.w;
     let k = w.cols;
     ensure!(
@@ -263,12 +298,29 @@ pub fn gemm(gpu: &Gpu, g: &Gemm) -> Result<Launch> {
         grid_y <= 65535,
         "gemm: {grid_y} row tiles exceed the grid limit (split the prompt)"
     );
-    // q4 in split precision with groups of BK: the exact-code kernel (gemm.cu, XQ): the codes are
-    // exact in bf16 and each k-tile is one group, so scale and bias apply per k-tile.
-    let name = if w.format == Format::Q4 && g.precision == Precision::Split && w.group_size == BK {
-        "gemm_q4_splitx".to_string()
+    // q4 in split precision with groups of BK: the exact-code kernels (gemm.cu, XQ): the codes are
+    // exact in bf16 and each k-tile is one group, so scale and bias apply per k-tile; on wgmma
+    // where the device has it. (Fast keeps the dequantising kernel: measured faster.)
+    let q4_groups_of_bk = w.format == Format::Q4 && w.group_size == BK;
+    let split = g.precision == Precision::Split;
+    let (name, threads, smem) = if q4_groups_of_bk && split && cores == TensorCores::Wgmma {
+        (
+            "gemm_q4_wgx_split".to_string(),
+            WGX_THREADS,
+            wgx_smem_bytes(),
+        )
+    } else if q4_groups_of_bk && split {
+        (
+            "gemm_q4_splitx".to_string(),
+            THREADS,
+            smem_bytes(w.format, g.precision),
+        )
     } else {
-        format!("gemm_{}_{}", w.format.suffix(), g.precision.suffix())
+        (
+            format!("gemm_{}_{}", w.format.suffix(), g.precision.suffix()),
+            THREADS,
+            smem_bytes(w.format, g.precision),
+        )
     };
     // SAFETY (of the eventual launch): every pointer above was checked non-null where required and
     // the kernel bounds rows by M (or the tile's m1) and columns by N; strides checked above.
@@ -276,8 +328,8 @@ pub fn gemm(gpu: &Gpu, g: &Gemm) -> Result<Launch> {
         gpu,
         &name,
         (g.n.div_ceil(BN) as u32, grid_y as u32, 1),
-        THREADS,
-        smem_bytes(w.format, g.precision) as u32,
+        threads,
+        smem as u32,
         &p,
     )
 }

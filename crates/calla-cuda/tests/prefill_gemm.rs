@@ -7,7 +7,7 @@ mod prefill_support;
 
 use calla_cpu::linear::Linear;
 use calla_cpu::random::Rng;
-use calla_cuda::gemm::{self, Gemm, GemmOut, Planes, Precision};
+use calla_cuda::gemm::{self, Gemm, GemmOut, Planes, Precision, TensorCores};
 use calla_cuda::pool::Arena;
 use prefill_support::*;
 
@@ -323,4 +323,70 @@ fn real_layer_shapes_q4_and_bf16() {
         }
     }
     assert!(ok);
+}
+
+/// q4 in groups of 64, split precision, on Hopper's warpgroup MMA (`gemm_q4_wgx_split`) and on the
+/// portable mma.sync kernel (`gemm_q4_splitx`), each against the f64 reference, at sizes that leave partial tiles in M, N and K-stages
+/// (K = 64: one k-tile; 192: fewer k-tiles than pipeline stages + 1) and at real layer shapes.
+#[test]
+#[ignore = "needs CUDA"]
+fn q4_on_wgmma_and_mma_sync_match_the_reference() {
+    let Some(gpu) = gpu() else { return };
+    if gpu.arch != "sm_90a" {
+        println!("skipped: wgmma needs sm_90a ({})", gpu.arch);
+        return;
+    }
+    let mut rng = Rng::new(11);
+    let mut ok = true;
+    for (n, k, t) in [
+        (200, 192, 1),
+        (200, 192, 130),
+        (136, 64, 257),
+        (72, 128, 7),
+        (2048, 4096, 65),
+        (8192, 2048, 300),
+    ] {
+        let mut arena = Arena::new(&gpu, 256 << 20);
+        let m = matrix(&mut rng, n, k, 1.0 / (k as f32).sqrt(), WFmt::Q4);
+        let w_ref = m.to_f32();
+        let dev = upload_matrix(&gpu, &mut arena, "w", &m);
+        let x = rng.normal_vec(t * k, 1.0);
+        let want = reference(&x, t, &w_ref, n, k);
+        let xd = upload_f32(&mut arena, &x);
+        let planes = alloc_planes(&mut arena, t * k, k);
+        run(
+            &gpu,
+            &[gemm::rmsnorm_planes(&gpu, xd, None, 0.0, t, k, planes).unwrap()],
+        );
+        for prec in [Precision::Split] {
+            for cores in [TensorCores::Wgmma, TensorCores::MmaSync] {
+                let y = arena.alloc_zeroed(t * n * 4).unwrap();
+                let g = Gemm {
+                    a: planes.for_precision(prec),
+                    gather: None,
+                    m: t,
+                    w: &dev,
+                    n,
+                    swiglu: false,
+                    out: GemmOut::F32 {
+                        ptr: y,
+                        ld: n,
+                        accumulate: false,
+                    },
+                    row_scale: None,
+                    precision: prec,
+                    grouped: None,
+                };
+                run(&gpu, &[gemm::gemm_on(&gpu, &g, cores).unwrap()]);
+                let got = download_f32(&gpu, y, t * n);
+                ok &= check(
+                    &format!("q4 {cores:?} {prec:?} T={t} [{n}x{k}]"),
+                    &got,
+                    &want,
+                    tolerance(prec),
+                );
+            }
+        }
+    }
+    assert!(ok, "some q4 GEMMs are out of tolerance (see above)");
 }

@@ -62,7 +62,21 @@ fn run_case(
             &PrefillOptions { precision },
         )
         .unwrap();
-        run(&gpu, &launches);
+        // the routing ids live in scratch that later phases of the block reuse: read them after top-k
+        let routed = launches
+            .iter()
+            .position(|l| l.name == "prefill_moe_topk")
+            .map_or(0, |i| i + 1);
+        run(&gpu, &launches[..routed]);
+        let ids = match (&spec.feed_forward, scratch.moe.as_ref()) {
+            (FeedForwardSpec::Moe { top_k, .. }, Some(ms)) => {
+                let mut ids = vec![0i32; t * top_k];
+                gpu.dtoh(ms.ids, &mut ids).unwrap();
+                ids
+            }
+            _ => Vec::new(),
+        };
+        run(&gpu, &launches[routed..]);
         // run twice: the counters must have been reset (same result from the same input)
         let h2 = upload_f32(&mut arena, &h_in);
         run(
@@ -112,9 +126,6 @@ fn run_case(
             let router = Linear::new("router", &mw.router, e, d).unwrap();
             let mut logits = vec![0f32; t * e];
             router.matmul(&xn, t, &mut logits);
-            let ms = scratch.moe.as_ref().unwrap();
-            let mut ids = vec![0i32; t * a];
-            gpu.dtoh(ms.ids, &mut ids).unwrap();
             let (mut ties, mut mismatches) = (0, 0);
             for tok in 0..t {
                 let row = &logits[tok * e..(tok + 1) * e];
