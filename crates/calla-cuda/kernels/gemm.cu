@@ -388,15 +388,18 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_q4_splitx(con
 //     8 wgmma m64n136k16 (4 k-slices × hi, lo), wait, fold the 68 T values into 64 accumulators.
 //     B carries 8 extra rows, the first all ones, so column 128 of T is Σx of the A rows over the
 //     k-tile: the bias term needs no separate reduction.
-//   producer (warpgroup 2): A by cp.async (row gather for the MoE), the codes by 16-byte register
-//     loads one tile ahead, written into the stage as bf16 (exact: 0x4300 | q − 128) with their
-//     (scale, bias); publishes a stage once its copies landed.
+//   producer (warpgroup 2): A (row gather for the MoE), the codes and their (scale, bias) by
+//     cp.async into the stage, all in flight for WGX_LAG tiles; once a tile's copies landed it
+//     converts the codes to bf16 in place (exact: 0x4300 | q − 128) and publishes the stage.
 // Stages (WGX_STAGES = 4) are handed over by mbarriers: full[s] (128 producer arrivals) and
 // empty[s] (one arrival per consumer warp, after its fold). Nothing else synchronises the warps,
 // so one warpgroup's fold overlaps the other's wgmma, and the producer's ALU work overlaps both.
 // Shared memory per stage (each part 1024-aligned, the 128-byte swizzle of gemm_swz): A hi, A lo
-// 16 KiB each, B 136 rows × 128 B, (scale, bias) of the 128 tile rows 1 KiB; then the barriers.
+// 16 KiB each, B 136 rows × 128 B, (scale, bias) of the 128 tile rows 1 KiB, the codes and
+// parameters as stored 5 KiB; then the barriers (221 KiB in all).
 // FLOPs 2·M·(N + 8)·K per plane. One block per SM (≤ 168 registers per thread).
+// Lab switches (CALLA_NVRTC_DEFINES): WGX_LAG=n, WGX_LAB_NO_MMA (the consumers skip the wgmma: the
+// pipeline's floor without tensor work; wrong results). docs/performance.md has what they measured.
 #define WGX_STAGES 4
 #ifndef WGX_LAG
 #define WGX_LAG 2 // tiles between the producer issuing a tile's copies and publishing it
@@ -405,7 +408,8 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_q4_splitx(con
 #define WGX_BN 136
 #define WGX_B_BYTES (WGX_BN * 128)
 #define WGX_PAR_BYTES (GEMM_BN * 8)
-#define WGX_STAGE_BYTES (2 * GEMM_TILE_BYTES + WGX_B_BYTES + WGX_PAR_BYTES)
+#define WGX_RAW_BYTES (GEMM_BN * 32 + GEMM_BN * 8) // the tile's codes and (scale, bias) as stored
+#define WGX_STAGE_BYTES (2 * GEMM_TILE_BYTES + WGX_B_BYTES + WGX_PAR_BYTES + WGX_RAW_BYTES)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
@@ -485,23 +489,29 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
             const int m = m0 + (ptid >> 3) + 16 * i;
             a_row[i] = m < m_end ? (p.a_rows ? ((const int*)p.a_rows)[m] : m) : -1;
         }
-        // B: units (tile row (ptid >> 1) + 64j, 32 codes at column 32·(ptid & 1)), j < 2; and tile
-        // row ptid's (scale, bias)
+        // B: units (tile row (ptid >> 1) + 64j, 32 codes at column 32·(ptid & 1)), j < 2, and tile
+        // row ptid's (scale, bias): copied as stored into the stage's raw area with the A tile,
+        // converted there once the copies landed (each thread converts what it copied)
         const int b_u = ptid & 1;
         const i64 b_row0 = w_row((ptid >> 1)), b_row1 = w_row((ptid >> 1) + 64), par_row = w_row(ptid);
-        uint4 b_raw[2];
-        float2 b_par;
-        auto load_b = [&](int kt) {
+        const int par_bytes = p.w.param_f32 ? 8 : 4;
+        auto raw_codes = [&](int s) -> u32 { return par_off(s) + WGX_PAR_BYTES; };
+        auto raw_par = [&](int s) -> u32 { return raw_codes(s) + GEMM_BN * 32; };
+        auto load_b = [&](int stage, int kt) {
             const u8* base = (const u8*)p.w.data + (i64)kt * 32 + b_u * 16;
-            b_raw[0] = b_row0 >= 0 ? ld_nc_16(base + b_row0 * p.w.row_bytes) : make_uint4(0u, 0u, 0u, 0u);
-            b_raw[1] = b_row1 >= 0 ? ld_nc_16(base + b_row1 * p.w.row_bytes) : make_uint4(0u, 0u, 0u, 0u);
-            b_par = par_row >= 0 ? load_group_params(p.w, par_row, kt) : make_float2(0.0f, 0.0f);
+            const u32 dst = sbase + raw_codes(stage) + (ptid >> 1) * 32 + b_u * 16;
+            cp_async16(dst, base + max(b_row0, (i64)0) * p.w.row_bytes, b_row0 >= 0 ? 16 : 0);
+            cp_async16(dst + 64 * 32, base + max(b_row1, (i64)0) * p.w.row_bytes, b_row1 >= 0 ? 16 : 0);
+            const u8* par = (const u8*)p.w.params + (max(par_row, (i64)0) * p.w.groups_per_row + kt) * par_bytes;
+            if (p.w.param_f32) cp_async8(sbase + raw_par(stage) + ptid * 8, par, par_row >= 0 ? 8 : 0);
+            else cp_async4(sbase + raw_par(stage) + ptid * 8, par, par_row >= 0 ? 4 : 0);
         };
-        auto store_b = [&](int stage) {
+        auto convert_b = [&](int stage) {
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
+                const uint4 raw = *(const uint4*)(sgen + raw_codes(stage) + ((ptid >> 1) + 64 * j) * 32 + b_u * 16);
                 // bf16 bits 0x4300 | q = 128 + q, minus 128 = q (exact); word w = codes 8w..8w+7, low nibble first
-                const u32 words[4] = {b_raw[j].x, b_raw[j].y, b_raw[j].z, b_raw[j].w};
+                const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
                 for (int w = 0; w < 4; ++w) {
                     u32 out[4];
@@ -513,7 +523,15 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
                     *(uint4*)(sgen + b_off(stage) + gemm_swz((ptid >> 1) + 64 * j, b_u * 4 + w)) = make_uint4(out[0], out[1], out[2], out[3]);
                 }
             }
-            *(float2*)(sgen + par_off(stage) + ptid * 8) = b_par;
+            const u8* rp = sgen + raw_par(stage) + ptid * 8;
+            float2 sb;
+            if (p.w.param_f32) {
+                sb = *(const float2*)rp;
+            } else {
+                const u32 pair = *(const u32*)rp;
+                sb = make_float2(bf16_lo(pair), bf16_hi(pair));
+            }
+            *(float2*)(sgen + par_off(stage) + ptid * 8) = sb;
         };
         const i64 lo_delta = (i64)(p.a_lo - p.a_hi);
         auto load_a = [&](int stage, int kt) {
@@ -526,26 +544,27 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
                 cp_async16(a_plane(stage, 1) + dst, src + lo_delta, bytes);
             }
         };
+        auto publish = [&](int kt) {
+            convert_b(kt % WGX_STAGES);
+            fence_proxy_async_smem();
+            mbar_arrive(full + 8 * (kt % WGX_STAGES));
+        };
 
-        load_b(0);
         for (int kt = 0; kt < KT; ++kt) {
             const int s = kt % WGX_STAGES;
             if (kt >= WGX_STAGES) mbar_wait(empty + 8 * s, ((kt / WGX_STAGES) + 1) & 1);
             load_a(s, kt);
+            load_b(s, kt);
             cp_async_commit();
-            store_b(s);
-            if (kt + 1 < KT) load_b(kt + 1);
             // publish tile kt − LAG once its copies landed (the later tiles' are still in flight: the
-            // wait is for a copy issued LAG iterations ago, longer than its latency from L2)
+            // wait is for copies issued LAG iterations ago, longer than their latency from L2)
             if (kt >= WGX_LAG) {
                 cp_async_wait<WGX_LAG>();
-                fence_proxy_async_smem();
-                mbar_arrive(full + 8 * ((kt - WGX_LAG) % WGX_STAGES));
+                publish(kt - WGX_LAG);
             }
         }
         cp_async_wait_all();
-        fence_proxy_async_smem();
-        for (int kt = max(KT - WGX_LAG, 0); kt < KT; ++kt) mbar_arrive(full + 8 * (kt % WGX_STAGES));
+        for (int kt = max(KT - WGX_LAG, 0); kt < KT; ++kt) publish(kt);
         return;
     }
 

@@ -167,11 +167,11 @@ impl TensorCores {
 }
 
 /// The wgmma kernel's pipeline (gemm.cu, `WGX_*`): 4 stages of A hi, A lo, B with its ones row,
-/// and (scale, bias); 2 consumer warpgroups and a producer.
+/// (scale, bias), and the codes and parameters as copied; 2 consumer warpgroups and a producer.
 const WGX_STAGES: usize = 4;
 const WGX_THREADS: u32 = 384;
 fn wgx_smem_bytes() -> usize {
-    let stage = 2 * TILE_BYTES + (BN + 8) * 128 + BN * 8;
+    let stage = 2 * TILE_BYTES + (BN + 8) * 128 + BN * 8 + BN * 40; // + the codes and params as stored
     WGX_STAGES * stage + 1024 + WGX_STAGES * 16 // + the realignment to 1024 bytes + the mbarriers
 }
 
