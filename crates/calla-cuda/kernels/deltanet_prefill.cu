@@ -22,7 +22,8 @@
 //                     substitution with one thread per column of [U | W] (no barriers); parallel
 //                     over chunks. smem max(2·64·(Dk+4), 64·(Dv+Dk)) + 64·65 + 128 floats.
 //   prefill_dn_scan   grid (⌈Dv/32⌉, Hv), block 256: the only sequential part — the state tile
-//                     S [32, Dk] in smem, chunk after chunk: v', o, S update; smem (3·64 + 32)·(Dk+4)
+//                     S [32, Dk] in smem, chunk after chunk: v', o, S update, the next chunk's tiles
+//                     copied (cp.async) into each buffer once it is free; smem (3·64 + 32)·(Dk+4)
 //                     + 64·(33 + 36 + 65) + 128 floats (153 KiB at Dk 128).
 //   prefill_dn_norm   grid ⌈T·Hv/8⌉, block 256: gated RMSNorm, one warp per (token, head) → bf16
 //                     planes for out_proj.
@@ -62,6 +63,21 @@ __device__ __forceinline__ void dn_load_tile(float* dst, int pitch, const float*
                 d[0] = v[u].x; d[1] = v[u].y; d[2] = v[u].z; d[3] = v[u].w;
             }
         }
+    }
+}
+
+// dn_load_tile by cp.async (nothing waits here: the caller commits and waits): 16-byte pieces when
+// VEC (dst pitch and source rows 16-byte aligned, width % 4 == 0), else single floats (any pitch).
+template <bool VEC>
+__device__ __forceinline__ void dn_copy_tile(float* dst, int pitch, const float* src, i64 stride, int rows, int valid,
+                                             int width) {
+    const int per = VEC ? 4 : 1, wp = width / per, total = rows * wp;
+    for (int e = threadIdx.x; e < total; e += blockDim.x) {
+        const int r = e / wp, c = (e - r * wp) * per;
+        const u32 d = smem_addr(dst + r * pitch + c);
+        const float* g = src + (i64)min(r, max(valid - 1, 0)) * stride + c;
+        if (VEC) cp_async16(d, g, r < valid ? 16 : 0);
+        else cp_async4(d, g, r < valid ? 4 : 0);
     }
 }
 
@@ -303,16 +319,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan(const DnSca
     const int ti = tid >> 4, tj = tid & 15;  // (v', o): rows ti + 16a, columns tj + 16b
     const int jg = tid >> 5, dl = tid & 31;  // (S): columns 4·jg + e, key dims dl + 32f
     const int nchunks = (p.T + DN_CHUNK - 1) / DN_CHUNK;
+    // The next chunk's tiles are copied while this one computes (no second buffer: each tile is
+    // refilled once its last reader of this chunk has passed a barrier): W, q, U after the v' phase
+    // (cp.async group 1), k and Aqk after the state update (group 2, waited for only before the o phase).
+    auto copy_wqu = [&](int chunk) {
+        if (chunk < nchunks) {
+            const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
+            dn_copy_tile<true>(Ws, kp, (const float*)p.w_in + ((i64)t0 * p.Hv + h) * Dk, (i64)p.Hv * Dk, DN_CHUNK, L, Dk);
+            dn_copy_tile<true>(qs, kp, x + (i64)t0 * p.C + q_col, p.C, DN_CHUNK, L, Dk);
+            dn_copy_tile<false>(Us, 33, (const float*)p.u_in + ((i64)t0 * p.Hv + h) * Dv + j0, (i64)p.Hv * Dv, DN_CHUNK, L, bv);
+        }
+        cp_async_commit();
+    };
+    auto copy_k_aqk = [&](int chunk) {
+        if (chunk < nchunks) {
+            const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
+            dn_copy_tile<true>(ks, kp, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
+            dn_copy_tile<false>(Aq, 65, (const float*)p.aqk_in + ((i64)chunk * p.Hv + h) * DN_CHUNK * DN_CHUNK, DN_CHUNK,
+                                DN_CHUNK, DN_CHUNK, DN_CHUNK);
+        }
+        cp_async_commit();
+    };
+    __syncthreads(); // Us zeroed before its copies land
+    copy_wqu(0);
+    copy_k_aqk(0);
     for (int chunk = 0; chunk < nchunks; ++chunk) {
         const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
-        __syncthreads(); // previous chunk done with every buffer
-        dn_load_tile(Ws, kp, (const float*)p.w_in + ((i64)t0 * p.Hv + h) * Dk, (i64)p.Hv * Dk, DN_CHUNK, L, Dk);
-        dn_load_tile(qs, kp, x + (i64)t0 * p.C + q_col, p.C, DN_CHUNK, L, Dk);
-        dn_load_tile(ks, kp, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
-        dn_load_tile(Us, 33, (const float*)p.u_in + ((i64)t0 * p.Hv + h) * Dv + j0, (i64)p.Hv * Dv, DN_CHUNK, L, bv);
-        dn_load_tile(Aq, 65, (const float*)p.aqk_in + ((i64)chunk * p.Hv + h) * DN_CHUNK * DN_CHUNK, DN_CHUNK,
-                     DN_CHUNK, DN_CHUNK, DN_CHUNK);
         if (tid < DN_CHUNK) cum[tid] = tid < L ? ((const float*)p.gcum_in)[(i64)(t0 + tid) * p.Hv + h] : 0.0f;
+        cp_async_wait<1>(); // this chunk's W, q, U (k and Aqk may still be in flight)
         __syncthreads();
         const float c_last = cum[L - 1];
         if (tid < DN_CHUNK) ek[tid] = tid < L ? expf(c_last - cum[tid]) : 0.0f;
@@ -353,7 +387,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan(const DnSca
                 const int i = ti + 16 * a, j = tj + 16 * b;
                 vn[i * 36 + j] = Us[i * 33 + j] - acc[a][b];
             }
-        __syncthreads(); // v' complete
+        cp_async_wait<0>(); // this chunk's k and Aqk
+        __syncthreads();    // v' complete; W, q, U free
+        copy_wqu(chunk + 1);
         // o_ij = e^{c_i} q_i·S_j + Σ_l Aqk_il v'_lj  (Aqk is zero above the diagonal and past L)
         float o[4][2];
 #pragma unroll
@@ -407,7 +443,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan(const DnSca
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 if (f * 32 + dl < Dk) S[(4 * jg + e) * kp + f * 32 + dl] = sa[f][e];
+        __syncthreads(); // o and the update done with k, Aqk, v', cum
+        copy_k_aqk(chunk + 1);
     }
+    cp_async_wait<0>();
     __syncthreads();
     for (int i = tid; i < bv * Dk; i += blockDim.x) {
         const int j = i / Dk, d = i - j * Dk;
