@@ -397,7 +397,8 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_q4_splitx(con
 // Shared memory per stage (each part 1024-aligned, the 128-byte swizzle of gemm_swz): A hi, A lo
 // 16 KiB each, B 136 rows × 128 B, (scale, bias) of the 128 tile rows 1 KiB, the codes and
 // parameters as stored 5 KiB; then the barriers (221 KiB in all).
-// FLOPs 2·M·(N + 8)·K per plane. One block per SM (≤ 168 registers per thread).
+// FLOPs 2·M·(N + 8)·K per plane. One block per SM (≤ 168 registers per thread), persistent: grid =
+// min(tiles, SMs), each block loops over tiles.
 // Lab switches (CALLA_NVRTC_DEFINES): WGX_LAG=n, WGX_LAB_NO_MMA (the consumers skip the wgmma: the
 // pipeline's floor without tensor work; wrong results). docs/performance.md has what they measured.
 #define WGX_STAGES 4
@@ -439,19 +440,27 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-    int m0, m_end;
+    // Persistent: the block takes tiles blockIdx.x, + gridDim.x, … of the (M tile, N tile) space, N
+    // fastest (as the grid of the other kernels); the pipeline runs on across tile boundaries, so one
+    // tile's epilogue overlaps the next tile's first copies.
+    const int n_tiles = (p.N + GEMM_BN - 1) / GEMM_BN;
+    const int m_tiles = p.tile_map ? *(const int*)p.tile_count : (p.M + GEMM_BM - 1) / GEMM_BM;
+    const int tiles = n_tiles * m_tiles;
+    int m0 = 0, m_end = 0, n0 = 0;
     i64 w_base = 0;
-    if (p.tile_map) {
-        if ((int)blockIdx.y >= *(const int*)p.tile_count) return;
-        const int4 t = ((const int4*)p.tile_map)[blockIdx.y];
-        m0 = t.y;
-        m_end = min(t.z, t.y + GEMM_BM);
-        w_base = (i64)t.x * p.expert_rows;
-    } else {
-        m0 = blockIdx.y * GEMM_BM;
-        m_end = min(p.M, m0 + GEMM_BM);
-    }
-    const int n0 = blockIdx.x * GEMM_BN;
+    auto locate = [&](int t) {
+        const int mt = t / n_tiles;
+        n0 = (t - mt * n_tiles) * GEMM_BN;
+        if (p.tile_map) {
+            const int4 e = ((const int4*)p.tile_map)[mt];
+            m0 = e.y;
+            m_end = min(e.z, e.y + GEMM_BM);
+            w_base = (i64)e.x * p.expert_rows;
+        } else {
+            m0 = mt * GEMM_BM;
+            m_end = min(p.M, m0 + GEMM_BM);
+        }
+    };
     const int n_out = p.swiglu ? p.N / 2 : p.N;
     const int KT = p.K / GEMM_BK;
 
@@ -484,16 +493,11 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
         // A: chunk ch = ptid & 7 of tile rows (ptid >> 3) + 16i, i < 8, in both planes
         const int ch = ptid & 7;
         int a_row[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int m = m0 + (ptid >> 3) + 16 * i;
-            a_row[i] = m < m_end ? (p.a_rows ? ((const int*)p.a_rows)[m] : m) : -1;
-        }
         // B: units (tile row (ptid >> 1) + 64j, 32 codes at column 32·(ptid & 1)), j < 2, and tile
         // row ptid's (scale, bias): copied as stored into the stage's raw area with the A tile,
         // converted there once the copies landed (each thread converts what it copied)
         const int b_u = ptid & 1;
-        const i64 b_row0 = w_row((ptid >> 1)), b_row1 = w_row((ptid >> 1) + 64), par_row = w_row(ptid);
+        i64 b_row0 = -1, b_row1 = -1, par_row = -1;
         const int par_bytes = p.w.param_f32 ? 8 : 4;
         auto raw_codes = [&](int s) -> u32 { return par_off(s) + WGX_PAR_BYTES; };
         auto raw_par = [&](int s) -> u32 { return raw_codes(s) + GEMM_BN * 32; };
@@ -544,27 +548,39 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
                 cp_async16(a_plane(stage, 1) + dst, src + lo_delta, bytes);
             }
         };
-        auto publish = [&](int kt) {
-            convert_b(kt % WGX_STAGES);
+        auto publish = [&](int g) {
+            convert_b(g % WGX_STAGES);
             fence_proxy_async_smem();
-            mbar_arrive(full + 8 * (kt % WGX_STAGES));
+            mbar_arrive(full + 8 * (g % WGX_STAGES));
         };
 
-        for (int kt = 0; kt < KT; ++kt) {
-            const int s = kt % WGX_STAGES;
-            if (kt >= WGX_STAGES) mbar_wait(empty + 8 * s, ((kt / WGX_STAGES) + 1) & 1);
-            load_a(s, kt);
-            load_b(s, kt);
-            cp_async_commit();
-            // publish tile kt − LAG once its copies landed (the later tiles' are still in flight: the
-            // wait is for copies issued LAG iterations ago, longer than their latency from L2)
-            if (kt >= WGX_LAG) {
-                cp_async_wait<WGX_LAG>();
-                publish(kt - WGX_LAG);
+        int g = 0; // k-tiles this block has issued, over all its tiles: stage g % STAGES
+        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+            locate(t);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int m = m0 + (ptid >> 3) + 16 * i;
+                a_row[i] = m < m_end ? (p.a_rows ? ((const int*)p.a_rows)[m] : m) : -1;
+            }
+            b_row0 = w_row(ptid >> 1);
+            b_row1 = w_row((ptid >> 1) + 64);
+            par_row = w_row(ptid);
+            for (int kt = 0; kt < KT; ++kt, ++g) {
+                const int s = g % WGX_STAGES;
+                if (g >= WGX_STAGES) mbar_wait(empty + 8 * s, ((g / WGX_STAGES) + 1) & 1);
+                load_a(s, kt);
+                load_b(s, kt);
+                cp_async_commit();
+                // publish k-tile g − LAG once its copies landed (the later ones' are still in flight:
+                // the wait is for copies issued LAG iterations ago, longer than their latency from L2)
+                if (g >= WGX_LAG) {
+                    cp_async_wait<WGX_LAG>();
+                    publish(g - WGX_LAG);
+                }
             }
         }
         cp_async_wait_all();
-        for (int kt = max(KT - WGX_LAG, 0); kt < KT; ++kt) publish(kt);
+        for (int gg = max(g - WGX_LAG, 0); gg < g; ++gg) publish(gg);
         return;
     }
 
@@ -572,13 +588,15 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
     const int wg = warp >> 2, wi = warp & 3;
     float acc[64], tq[68];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-#pragma unroll
     for (int i = 0; i < 68; ++i) tq[i] = 0.0f;
-
-    for (int kt = 0; kt < KT; ++kt) {
-        const int st = kt % WGX_STAGES;
-        mbar_wait(full + 8 * st, (kt / WGX_STAGES) & 1);
+    int g = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    locate(t);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int kt = 0; kt < KT; ++kt, ++g) {
+        const int st = g % WGX_STAGES;
+        mbar_wait(full + 8 * st, (g / WGX_STAGES) & 1);
 
         const u64 db = wgmma_desc_sw128(sbase + b_off(st));
         const u64 dh = wgmma_desc_sw128(a_plane(st, 0) + wg * 64 * 128);
@@ -617,6 +635,7 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
     const int ma = m0 + wg * 64 + wi * 16 + (lane >> 2);
 #pragma unroll
     for (int j = 0; j < 16; ++j) gemm_store_frag(p, ma, m_end, n0 + j * 8 + 2 * (lane & 3), n_out, &acc[4 * j]);
+    }
 }
 #endif
 

@@ -303,7 +303,12 @@ pub fn gemm_on(gpu: &Gpu, g: &Gemm, cores: TensorCores) -> Result<Launch> {
     // where the device has it. (Fast keeps the dequantising kernel: measured faster.)
     let q4_groups_of_bk = w.format == Format::Q4 && w.group_size == BK;
     let split = g.precision == Precision::Split;
+    let mut grid = (g.n.div_ceil(BN) as u32, grid_y as u32, 1);
     let (name, threads, smem) = if q4_groups_of_bk && split && cores == TensorCores::Wgmma {
+        // persistent: one block per SM, each looping over tiles (the grouped tile count is read on
+        // the device)
+        let tiles = g.n.div_ceil(BN) * grid_y;
+        grid = (tiles.min(gpu.sm_count.max(1) as usize) as u32, 1, 1);
         (
             "gemm_q4_wgx_split".to_string(),
             WGX_THREADS,
@@ -324,14 +329,7 @@ pub fn gemm_on(gpu: &Gpu, g: &Gemm, cores: TensorCores) -> Result<Launch> {
     };
     // SAFETY (of the eventual launch): every pointer above was checked non-null where required and
     // the kernel bounds rows by M (or the tile's m1) and columns by N; strides checked above.
-    Launch::new(
-        gpu,
-        &name,
-        (g.n.div_ceil(BN) as u32, grid_y as u32, 1),
-        threads,
-        smem as u32,
-        &p,
-    )
+    Launch::new(gpu, &name, grid, threads, smem as u32, &p)
 }
 
 #[repr(C)]
