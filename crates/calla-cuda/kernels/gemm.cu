@@ -51,6 +51,13 @@ struct GemmParams {
 // Tile byte offset of (row r, 16-byte chunk c) with the XOR swizzle.
 __device__ __forceinline__ u32 gemm_swz(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
 
+// Codes 2e and 2e + 1 of a q4 word (low nibble first) as a bf16 pair, exactly: the bits 0x4300 | q
+// are 128 + q, minus 128 is q.
+__device__ __forceinline__ u32 q4_code_pair_bf16(u32 word, int e) {
+    const u32 pr = ((word >> (8 * e)) & 0xFu) | (((word >> (8 * e + 4)) & 0xFu) << 16) | 0x43004300u;
+    return cvt_bf16x2(__uint_as_float(pr << 16) - 128.0f, __uint_as_float(pr & 0xffff0000u) - 128.0f);
+}
+
 // Store one accumulator fragment: c0, c1 = (row ma, columns col, col + 1), c2, c3 = (row ma + 8,
 // same columns), through the launch's epilogue (row scale, SwiGLU pair, f32 / f32 += / planes).
 __device__ __forceinline__ void gemm_store_frag(const GemmParams& p, int ma, int m_end, int col, int n_out, const float* c) {
@@ -209,10 +216,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 for (int q = 0; q < 4; ++q) {
                     u32 out[4];
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const u32 pr = ((words[q] >> (8 * e)) & 0xFu) | (((words[q] >> (8 * e + 4)) & 0xFu) << 16) | 0x43004300u;
-                        out[e] = cvt_bf16x2(__uint_as_float(pr << 16) - 128.0f, __uint_as_float(pr & 0xffff0000u) - 128.0f);
-                    }
+                    for (int e = 0; e < 4; ++e) out[e] = q4_code_pair_bf16(words[q], e);
                     *(uint4*)(hi_tile + gemm_swz(r, uu * 4 + q)) = make_uint4(out[0], out[1], out[2], out[3]);
                 }
                 continue;
@@ -520,10 +524,7 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
                 for (int w = 0; w < 4; ++w) {
                     u32 out[4];
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const u32 pr = ((words[w] >> (8 * e)) & 0xFu) | (((words[w] >> (8 * e + 4)) & 0xFu) << 16) | 0x43004300u;
-                        out[e] = cvt_bf16x2(__uint_as_float(pr << 16) - 128.0f, __uint_as_float(pr & 0xffff0000u) - 128.0f);
-                    }
+                    for (int e = 0; e < 4; ++e) out[e] = q4_code_pair_bf16(words[w], e);
                     *(uint4*)(sgen + b_off(stage) + gemm_swz((ptid >> 1) + 64 * j, b_u * 4 + w)) = make_uint4(out[0], out[1], out[2], out[3]);
                 }
             }
