@@ -298,9 +298,10 @@ fn engine_loop(mut backend: Box<dyn Backend>, config: SchedulerConfig, shared: A
                     .unwrap_or("unknown cause")
             )),
         };
+        // The cache statistics first: whoever waits on the finish may read them at once.
+        *lock(&shared.cache_stats) = cache.stats();
         // A panicking sink must not take the engine down with it.
         let _ = catch_unwind(AssertUnwindSafe(|| job.sink.on_finish(result)));
-        *lock(&shared.cache_stats) = cache.stats();
         shared.running.store(0, Ordering::Relaxed);
     }
 }
