@@ -19,8 +19,9 @@
 //                     window in registers; then the L2 norm per token row (smem [64, width+1]).
 //   prefill_dn_ring   grid (⌈C/256⌉, K): the last K positions into the ring (after conv: no race).
 //   prefill_dn_chunk  grid (⌈T/64⌉, Hv), block 256: A and Aqk (4×4 register tiles), then forward
-//                     substitution with one thread per column of [U | W] (no barriers); parallel
-//                     over chunks. smem max(2·64·(Dk+4), 64·(Dv+Dk)) + 64·65 + 128 floats.
+//                     substitution with one thread per column of [U | W] (no barriers; four partial
+//                     sums per row); parallel over chunks. smem max(2·64·(Dk+4), 64·(Dv+Dk)) + 64·68
+//                     + 128 floats.
 //   prefill_dn_scan   grid (⌈Dv/32⌉, Hv), block 256: the only sequential part — the state tile
 //                     S [32, Dk] in smem, chunk after chunk: v', o, S update, the next chunk's tiles
 //                     copied (cp.async) into each buffer once it is free; smem (3·64 + 32)·(Dk+4)
@@ -190,8 +191,8 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunk
     float* qs = sm;                     // phase 1: [64, Dk+4]
     float* ks = sm + DN_CHUNK * kp;     // phase 1: [64, Dk+4]
     float* uw = sm;                     // phase 2: [64, Dv+Dk] (aliases qs, ks)
-    float* As = sm + region;            // [64, 65]
-    float* cum = As + DN_CHUNK * 65;    // [64]
+    float* As = sm + region;            // [64, 68] (16-byte rows)
+    float* cum = As + DN_CHUNK * 68;    // [64]
     float* beta = cum + DN_CHUNK;       // [64]
     const int tid = threadIdx.x;
     const float* x = (const float*)p.qkvc;
@@ -253,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunk
             const int i = ti + 16 * a, j = tj + 16 * b;
             const bool in = i < L && j < L;
             const float decay = in && j <= i ? expf(cum[i] - cum[j]) : 0.0f;
-            As[i * 65 + j] = (in && j < i) ? beta[i] * accA[a][b] * decay : 0.0f; // A_ij = β_i (k_i·k_j) e^{c_i−c_j}
+            As[i * 68 + j] = (in && j < i) ? beta[i] * accA[a][b] * decay : 0.0f; // A_ij = β_i (k_i·k_j) e^{c_i−c_j}
             aqk[i * DN_CHUNK + j] = (in && j <= i) ? accQ[a][b] * decay : 0.0f;   // (q_i·k_j) e^{c_i−c_j}
         }
     // [U | W] rows: v_i and k_i (zeros past L), scaled below
@@ -268,9 +269,18 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunk
             uw[i * cols + col] = col < Dv ? beta[i] * v : beta[i] * v * expf(cum[i]);
         }
         for (int i = 1; i < L; ++i) {
-            float v = uw[i * cols + col];
-            for (int j = 0; j < i; ++j) v = fmaf(-As[i * 65 + j], uw[j * cols + col], v);
-            uw[i * cols + col] = v;
+            // four partial sums (j mod 4): four independent FMA chains instead of one of length i
+            float v0 = uw[i * cols + col], v1 = 0.0f, v2 = 0.0f, v3 = 0.0f;
+            int j = 0;
+            for (; j + 4 <= i; j += 4) {
+                const float4 a = *(const float4*)&As[i * 68 + j];
+                v0 = fmaf(-a.x, uw[j * cols + col], v0);
+                v1 = fmaf(-a.y, uw[(j + 1) * cols + col], v1);
+                v2 = fmaf(-a.z, uw[(j + 2) * cols + col], v2);
+                v3 = fmaf(-a.w, uw[(j + 3) * cols + col], v3);
+            }
+            for (; j < i; ++j) v0 = fmaf(-As[i * 68 + j], uw[j * cols + col], v0);
+            uw[i * cols + col] = (v0 + v1) + (v2 + v3);
         }
         for (int i = 0; i < L; ++i) {
             const i64 r = (i64)(t0 + i) * p.Hv + h;

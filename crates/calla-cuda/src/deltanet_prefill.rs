@@ -262,7 +262,7 @@ pub fn prefill_core(
     };
     // (kernel layout: q, k rows of Dk + 4 floats, aliased later by [U | W]; A; cumulative gates; β)
     let region = (2 * CHUNK * (dk + 4)).max(CHUNK * (dv + dk));
-    let chunk_smem = (region + CHUNK * 65 + 2 * CHUNK) * 4;
+    let chunk_smem = (region + CHUNK * 68 + 2 * CHUNK) * 4; // A rows of 68: float4 reads
     out.push(Launch::new(
         gpu,
         "prefill_dn_chunk",
