@@ -17,8 +17,8 @@
 //!   whole model estimate: 366 ms for 8192 tokens = 22.4k tok/s (target 30k)
 //! History: 13.1k (first version) → 18.2k (2 blocks/SM, batched DeltaNet loads) → 22.4k (bf16
 //! magic-number q4 dequant, 16-byte smem reads in the DeltaNet kernels).
-//! Split precision (the default), session 4: 12.1k → 18.8k (q4 split products on wgmma,
-//! `gemm_q4_wgx_split`; the DeltaNet scan's loads overlapped), docs/performance.md "Session 4". The
+//! Split precision (the default), session 4: 12.1k → 18.9k (q4 split products on wgmma,
+//! `gemm_q4_wgx_split`; the DeltaNet scan's loads overlapped; the chunk solve in four chains), docs/performance.md "Session 4". The
 //! mixers run their prompt in two halves here, so a mixer launch's TFLOP/s column is 2× too high.
 
 #[path = "../tests/prefill_support/mod.rs"]
