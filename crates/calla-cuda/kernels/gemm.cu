@@ -592,50 +592,50 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
     for (int i = 0; i < 68; ++i) tq[i] = 0.0f;
     int g = 0;
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    locate(t);
+        locate(t);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    for (int kt = 0; kt < KT; ++kt, ++g) {
-        const int st = g % WGX_STAGES;
-        mbar_wait(full + 8 * st, (g / WGX_STAGES) & 1);
+        for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+        for (int kt = 0; kt < KT; ++kt, ++g) {
+            const int st = g % WGX_STAGES;
+            mbar_wait(full + 8 * st, (g / WGX_STAGES) & 1);
 
-        const u64 db = wgmma_desc_sw128(sbase + b_off(st));
-        const u64 dh = wgmma_desc_sw128(a_plane(st, 0) + wg * 64 * 128);
-        const u64 dl = wgmma_desc_sw128(a_plane(st, 1) + wg * 64 * 128);
+            const u64 db = wgmma_desc_sw128(sbase + b_off(st));
+            const u64 dh = wgmma_desc_sw128(a_plane(st, 0) + wg * 64 * 128);
+            const u64 dl = wgmma_desc_sw128(a_plane(st, 1) + wg * 64 * 128);
 #pragma unroll
-        for (int i = 0; i < 68; ++i) wgmma_pin(tq[i]);
-        wgmma_fence();
+            for (int i = 0; i < 68; ++i) wgmma_pin(tq[i]);
+            wgmma_fence();
 #ifndef WGX_LAB_NO_MMA
 #pragma unroll
-        for (int ks = 0; ks < GEMM_BK / 16; ++ks) {
-            wgmma_m64n136k16_bf16(tq, dh + 2 * ks, db + 2 * ks, ks > 0);
-            wgmma_m64n136k16_bf16(tq, dl + 2 * ks, db + 2 * ks, 1);
-        }
+            for (int ks = 0; ks < GEMM_BK / 16; ++ks) {
+                wgmma_m64n136k16_bf16(tq, dh + 2 * ks, db + 2 * ks, ks > 0);
+                wgmma_m64n136k16_bf16(tq, dl + 2 * ks, db + 2 * ks, 1);
+            }
 #endif
-        wgmma_commit();
-        wgmma_wait_all();
+            wgmma_commit();
+            wgmma_wait_all();
 #pragma unroll
-        for (int i = 0; i < 68; ++i) wgmma_pin(tq[i]);
+            for (int i = 0; i < 68; ++i) wgmma_pin(tq[i]);
 
-        // fold: column 128 of T (lane 4g) is Σx of rows g and g + 8
-        const float sx0 = __shfl_sync(0xffffffffu, tq[64], lane & ~3);
-        const float sx1 = __shfl_sync(0xffffffffu, tq[66], lane & ~3);
-        const u8* par = sgen + par_off(st) + (lane & 3) * 16;
+            // fold: column 128 of T (lane 4g) is Σx of rows g and g + 8
+            const float sx0 = __shfl_sync(0xffffffffu, tq[64], lane & ~3);
+            const float sx1 = __shfl_sync(0xffffffffu, tq[66], lane & ~3);
+            const u8* par = sgen + par_off(st) + (lane & 3) * 16;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const float4 sb = *(const float4*)(par + j * 64); // (s, b) of columns 8j + 2q, 8j + 2q + 1
-            acc[4 * j + 0] = fmaf(sb.x, tq[4 * j + 0], fmaf(sb.y, sx0, acc[4 * j + 0]));
-            acc[4 * j + 1] = fmaf(sb.z, tq[4 * j + 1], fmaf(sb.w, sx0, acc[4 * j + 1]));
-            acc[4 * j + 2] = fmaf(sb.x, tq[4 * j + 2], fmaf(sb.y, sx1, acc[4 * j + 2]));
-            acc[4 * j + 3] = fmaf(sb.z, tq[4 * j + 3], fmaf(sb.w, sx1, acc[4 * j + 3]));
+            for (int j = 0; j < 16; ++j) {
+                const float4 sb = *(const float4*)(par + j * 64); // (s, b) of columns 8j + 2q, 8j + 2q + 1
+                acc[4 * j + 0] = fmaf(sb.x, tq[4 * j + 0], fmaf(sb.y, sx0, acc[4 * j + 0]));
+                acc[4 * j + 1] = fmaf(sb.z, tq[4 * j + 1], fmaf(sb.w, sx0, acc[4 * j + 1]));
+                acc[4 * j + 2] = fmaf(sb.x, tq[4 * j + 2], fmaf(sb.y, sx1, acc[4 * j + 2]));
+                acc[4 * j + 3] = fmaf(sb.z, tq[4 * j + 3], fmaf(sb.w, sx1, acc[4 * j + 3]));
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + 8 * st); // this warp is done with the stage
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty + 8 * st); // this warp is done with the stage
-    }
 
-    const int ma = m0 + wg * 64 + wi * 16 + (lane >> 2);
+        const int ma = m0 + wg * 64 + wi * 16 + (lane >> 2);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) gemm_store_frag(p, ma, m_end, n0 + j * 8 + 2 * (lane & 3), n_out, &acc[4 * j]);
+        for (int j = 0; j < 16; ++j) gemm_store_frag(p, ma, m_end, n0 + j * 8 + 2 * (lane & 3), n_out, &acc[4 * j]);
     }
 }
 #endif
