@@ -51,6 +51,16 @@ struct GemmParams {
 // Tile byte offset of (row r, 16-byte chunk c) with the XOR swizzle.
 __device__ __forceinline__ u32 gemm_swz(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
 
+// W row of tile row r in the N tile at n0 (rows of expert w_base; gate/up interleaved under SwiGLU:
+// tile row 2j is gate row j, 2j + 1 up row n_out + j), −1 past the end.
+__device__ __forceinline__ i64 gemm_w_row(const GemmParams& p, int n0, int n_out, i64 w_base, int r) {
+    if (p.swiglu) {
+        const int j = n0 / 2 + r / 2;
+        return j < n_out ? w_base + ((r & 1) ? n_out + j : j) : -1;
+    }
+    return n0 + r < p.N ? w_base + n0 + r : -1;
+}
+
 // Codes 2e and 2e + 1 of a q4 word (low nibble first) as a bf16 pair, exactly: the bits 0x4300 | q
 // are 128 + q, minus 128 is q.
 __device__ __forceinline__ u32 q4_code_pair_bf16(u32 word, int e) {
@@ -147,14 +157,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 #pragma unroll
     for (int i = 0; i < UPT; ++i) {
         const int u = tid + i * GEMM_THREADS, r = u / UPR;
-        i64 row = -1;
-        if (p.swiglu) {
-            const int j = n0 / 2 + r / 2;
-            if (j < n_out) row = w_base + ((r & 1) ? n_out + j : j);
-        } else if (n0 + r < p.N) {
-            row = w_base + n0 + r;
-        }
-        b_row[i] = row;
+        b_row[i] = gemm_w_row(p, n0, n_out, w_base, r);
     }
     uint4 b_raw[UPT];
     float2 b_par[UPT];
@@ -165,15 +168,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
             const int r = wn * 32 + j * 8 + 2 * (lane & 3) + c;
-            int row = -1;
-            if (!XQ) {
-            } else if (p.swiglu) {
-                const int jj = n0 / 2 + r / 2;
-                if (jj < n_out) row = (int)w_base + ((r & 1) ? n_out + jj : jj);
-            } else if (n0 + r < p.N) {
-                row = (int)w_base + n0 + r;
-            }
-            col_row[j][c] = row;
+            col_row[j][c] = XQ ? (int)gemm_w_row(p, n0, n_out, w_base, r) : -1;
         }
 
     auto load_a = [&](int stage, int kt) {
@@ -417,18 +412,6 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_q4_splitx(con
 #define WGX_STAGE_BYTES (2 * GEMM_TILE_BYTES + WGX_B_BYTES + WGX_PAR_BYTES + WGX_RAW_BYTES)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-
 __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
     constexpr u32 STAGE = WGX_STAGE_BYTES;
     static_assert(STAGE % 1024 == 0, "stage parts must stay 1024-aligned");
@@ -486,14 +469,6 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
     if (warp >= 8) {
         // ---------------- producer warpgroup
         const int ptid = tid - 256;
-        // W row of tile row r (gate/up interleaved under SwiGLU), −1 past N
-        auto w_row = [&](int r) -> i64 {
-            if (p.swiglu) {
-                const int j = n0 / 2 + r / 2;
-                return j < n_out ? w_base + ((r & 1) ? n_out + j : j) : -1;
-            }
-            return n0 + r < p.N ? w_base + n0 + r : -1;
-        };
         // A: chunk ch = ptid & 7 of tile rows (ptid >> 3) + 16i, i < 8, in both planes
         const int ch = ptid & 7;
         int a_row[8];
@@ -563,9 +538,9 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
                 const int m = m0 + (ptid >> 3) + 16 * i;
                 a_row[i] = m < m_end ? (p.a_rows ? ((const int*)p.a_rows)[m] : m) : -1;
             }
-            b_row0 = w_row(ptid >> 1);
-            b_row1 = w_row((ptid >> 1) + 64);
-            par_row = w_row(ptid);
+            b_row0 = gemm_w_row(p, n0, n_out, w_base, ptid >> 1);
+            b_row1 = gemm_w_row(p, n0, n_out, w_base, (ptid >> 1) + 64);
+            par_row = gemm_w_row(p, n0, n_out, w_base, ptid);
             for (int kt = 0; kt < KT; ++kt, ++g) {
                 const int s = g % WGX_STAGES;
                 if (g >= WGX_STAGES) mbar_wait(empty + 8 * s, ((g / WGX_STAGES) + 1) & 1);

@@ -103,6 +103,19 @@ __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_grou
 // Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy that
 // wgmma reads operands through; each writing thread runs it before the barrier that publishes them.
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Shared-memory mbarriers (one u64 each): init with the arrivals a phase needs, arrive, and wait
+// until the phase of the given parity has completed.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
 // Pins accumulator registers at this point of the program (the compiler must not move their reads
 // above a wgmma wait or their writes below a wgmma issue).
 __device__ __forceinline__ void wgmma_pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
