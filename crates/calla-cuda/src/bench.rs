@@ -582,58 +582,6 @@ fn calla_rng(seed: u64) -> impl FnMut() -> u64 {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fnv1a_64_matches_the_published_vectors() {
-        // Test vectors of the FNV reference (isthe.com/chongo/tech/comp/fnv): "", "a", "foobar".
-        assert_eq!(fnv1a_64(*b""), 0xcbf2_9ce4_8422_2325);
-        assert_eq!(fnv1a_64(*b"a"), 0xaf63_dc4c_8601_ec8c);
-        assert_eq!(fnv1a_64(*b"foobar"), 0x8594_4171_f739_67e8);
-    }
-
-    #[test]
-    fn token_digest_hashes_little_endian_ids_and_sees_order() {
-        let ids = [0x6261u32, 7, 248_319];
-        let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
-        assert_eq!(token_digest(&ids), fnv1a_64(bytes));
-        assert_ne!(token_digest(&[1, 2]), token_digest(&[2, 1]));
-        assert_ne!(token_digest(&[1]), token_digest(&[1, 0]));
-    }
-
-    #[test]
-    fn capacity_fits_the_largest_context_and_the_decode_steps() {
-        let opts = BenchOptions {
-            prompt_len: 512,
-            gen_len: 64,
-            contexts: vec![512, 4096, 32768, 131072],
-            rounds: 2,
-            warmup: 8,
-            kv_cache: KvDtype::F32,
-            seed: 1,
-            profile: false,
-            prompt_precision: crate::PromptPrecision::AUTO,
-            prompt_chunk: 8192,
-        };
-        assert_eq!(context_capacity(&opts), 131072 + 64 + 8 + 8);
-        let prompt_longer = BenchOptions {
-            prompt_len: 8192,
-            contexts: vec![4096],
-            ..opts
-        };
-        assert_eq!(context_capacity(&prompt_longer), 8192 + 64 + 8 + 8);
-    }
-
-    #[test]
-    fn all_equal_needs_every_round_to_agree() {
-        assert!(all_equal::<u32>(&[]));
-        assert!(all_equal(&["a", "a", "a"]));
-        assert!(!all_equal(&["a", "a", "b"]));
-    }
-}
-
 /// Lab (kernels built with CALLA_NVRTC_DEFINES=LAB_STAMPS): where the last decode step's last
 /// in-projection and last MoE down kernel spent their time, per warp
 /// from the SM clock (common.cuh `lab_stamp`): kernel entry (0), dot products start (1), first
@@ -702,4 +650,56 @@ fn layer_timing_report(be: &CudaBackend, what: &str) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv1a_64_matches_the_published_vectors() {
+        // Test vectors of the FNV reference (isthe.com/chongo/tech/comp/fnv): "", "a", "foobar".
+        assert_eq!(fnv1a_64(*b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a_64(*b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a_64(*b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn token_digest_hashes_little_endian_ids_and_sees_order() {
+        let ids = [0x6261u32, 7, 248_319];
+        let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(token_digest(&ids), fnv1a_64(bytes));
+        assert_ne!(token_digest(&[1, 2]), token_digest(&[2, 1]));
+        assert_ne!(token_digest(&[1]), token_digest(&[1, 0]));
+    }
+
+    #[test]
+    fn capacity_fits_the_largest_context_and_the_decode_steps() {
+        let opts = BenchOptions {
+            prompt_len: 512,
+            gen_len: 64,
+            contexts: vec![512, 4096, 32768, 131072],
+            rounds: 2,
+            warmup: 8,
+            kv_cache: KvDtype::F32,
+            seed: 1,
+            profile: false,
+            prompt_precision: crate::PromptPrecision::AUTO,
+            prompt_chunk: 8192,
+        };
+        assert_eq!(context_capacity(&opts), 131072 + 64 + 8 + 8);
+        let prompt_longer = BenchOptions {
+            prompt_len: 8192,
+            contexts: vec![4096],
+            ..opts
+        };
+        assert_eq!(context_capacity(&prompt_longer), 8192 + 64 + 8 + 8);
+    }
+
+    #[test]
+    fn all_equal_needs_every_round_to_agree() {
+        assert!(all_equal::<u32>(&[]));
+        assert!(all_equal(&["a", "a", "a"]));
+        assert!(!all_equal(&["a", "a", "b"]));
+    }
 }

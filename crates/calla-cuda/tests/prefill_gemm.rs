@@ -8,7 +8,9 @@ mod prefill_support;
 use calla_cpu::linear::Linear;
 use calla_cpu::random::Rng;
 use calla_cuda::gemm::{self, Gemm, GemmOut, Planes, Precision, TensorCores};
+use calla_cuda::gpu::Gpu;
 use calla_cuda::pool::Arena;
+use calla_cuda::weights::DevMatrix;
 use prefill_support::*;
 
 /// Y = X·Wᵀ in f64 from the dequantised weights.
@@ -24,6 +26,39 @@ fn reference(x: &[f32], t: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
         }
     }
     y
+}
+
+/// `X·Wᵀ` of `t` rows into a fresh f32 output (no gather, scale or SwiGLU), downloaded.
+#[allow(clippy::too_many_arguments)]
+fn plain_product(
+    gpu: &Gpu,
+    arena: &mut Arena,
+    planes: Planes,
+    t: usize,
+    w: &DevMatrix,
+    n: usize,
+    precision: Precision,
+    cores: TensorCores,
+) -> Vec<f32> {
+    let y = arena.alloc_zeroed(t * n * 4).unwrap();
+    let g = Gemm {
+        a: planes.for_precision(precision),
+        gather: None,
+        m: t,
+        w,
+        n,
+        swiglu: false,
+        out: GemmOut::F32 {
+            ptr: y,
+            ld: n,
+            accumulate: false,
+        },
+        row_scale: None,
+        precision,
+        grouped: None,
+    };
+    run(gpu, &[gemm::gemm_on(gpu, &g, cores).unwrap()]);
+    download_f32(gpu, y, t * n)
 }
 
 /// One GEMM (no normalisation downstream): bf16 products give rms errors ~3e-3 (5e-3 after SwiGLU);
@@ -66,25 +101,16 @@ fn every_format_and_precision_matches_the_reference_at_odd_sizes() {
                 &[gemm::rmsnorm_planes(&gpu, xd, None, 0.0, t, k, planes).unwrap()],
             );
             for prec in [Precision::Fast, Precision::Split] {
-                let y = arena.alloc_zeroed(t * n * 4).unwrap();
-                let g = Gemm {
-                    a: planes.for_precision(prec),
-                    gather: None,
-                    m: t,
-                    w: &dev,
+                let got = plain_product(
+                    &gpu,
+                    &mut arena,
+                    planes,
+                    t,
+                    &dev,
                     n,
-                    swiglu: false,
-                    out: GemmOut::F32 {
-                        ptr: y,
-                        ld: n,
-                        accumulate: false,
-                    },
-                    row_scale: None,
-                    precision: prec,
-                    grouped: None,
-                };
-                run(&gpu, &[gemm::gemm(&gpu, &g).unwrap()]);
-                let got = download_f32(&gpu, y, t * n);
+                    prec,
+                    TensorCores::for_gpu(&gpu),
+                );
                 let tol = tolerance(prec);
                 ok &= check(
                     &format!("{fmt:?} {prec:?} T={t} [{n}x{k}]"),
@@ -294,25 +320,16 @@ fn real_layer_shapes_q4_and_bf16() {
             &[gemm::rmsnorm_planes(&gpu, xd, None, 0.0, t, k, planes).unwrap()],
         );
         for prec in [Precision::Fast, Precision::Split] {
-            let y = arena.alloc_zeroed(t * n * 4).unwrap();
-            let g = Gemm {
-                a: planes.for_precision(prec),
-                gather: None,
-                m: t,
-                w: &dev,
+            let got = plain_product(
+                &gpu,
+                &mut arena,
+                planes,
+                t,
+                &dev,
                 n,
-                swiglu: false,
-                out: GemmOut::F32 {
-                    ptr: y,
-                    ld: n,
-                    accumulate: false,
-                },
-                row_scale: None,
-                precision: prec,
-                grouped: None,
-            };
-            run(&gpu, &[gemm::gemm(&gpu, &g).unwrap()]);
-            let got = download_f32(&gpu, y, t * n);
+                prec,
+                TensorCores::for_gpu(&gpu),
+            );
             let tol = tolerance(prec);
             ok &= check(
                 &format!("{name} {prec:?} T={t} [{n}x{k}]"),
@@ -360,25 +377,7 @@ fn q4_on_wgmma_and_mma_sync_match_the_reference() {
         );
         for prec in [Precision::Split] {
             for cores in [TensorCores::Wgmma, TensorCores::MmaSync] {
-                let y = arena.alloc_zeroed(t * n * 4).unwrap();
-                let g = Gemm {
-                    a: planes.for_precision(prec),
-                    gather: None,
-                    m: t,
-                    w: &dev,
-                    n,
-                    swiglu: false,
-                    out: GemmOut::F32 {
-                        ptr: y,
-                        ld: n,
-                        accumulate: false,
-                    },
-                    row_scale: None,
-                    precision: prec,
-                    grouped: None,
-                };
-                run(&gpu, &[gemm::gemm_on(&gpu, &g, cores).unwrap()]);
-                let got = download_f32(&gpu, y, t * n);
+                let got = plain_product(&gpu, &mut arena, planes, t, &dev, n, prec, cores);
                 ok &= check(
                     &format!("q4 {cores:?} {prec:?} T={t} [{n}x{k}]"),
                     &got,
