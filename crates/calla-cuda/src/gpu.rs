@@ -60,6 +60,7 @@ pub struct Gpu {
 /// Which module holds a kernel, by name prefix (kernel names are `<family>_…`).
 fn module_of(function: &str) -> Option<&'static str> {
     const PREFIXES: &[(&str, &str)] = &[
+        ("matvec_tc_", "matvec_tc"),
         ("matvec_", "matvec"),
         ("embed_", "matvec"),
         ("deltanet_", "deltanet"),
@@ -70,6 +71,7 @@ fn module_of(function: &str) -> Option<&'static str> {
         ("fill_", "fill"),
         ("grid_sync_", "grid_sync"),
         ("decode_layer_", "decode_layer"),
+        ("stream_", "lab_stream"),
         ("gemm_", "gemm"),
         ("prefill_dn_", "deltanet_prefill"),
         ("prefill_attn_", "attention_prefill"),

@@ -27,8 +27,11 @@ pub const MOE: KernelSource = kernel_source!("moe");
 pub const SELECT: KernelSource = kernel_source!("select");
 pub const FILL: KernelSource = kernel_source!("fill");
 pub const GRID_SYNC: KernelSource = kernel_source!("grid_sync");
+/// Lab only: the streaming floor decode kernels are measured against (tests/gpu/stream_floor.rs).
+pub const LAB_STREAM: KernelSource = kernel_source!("lab_stream");
 
-// The modules that use the tensor cores (the prompt path and decode attention): kernels/mma.cuh
+// The modules that use the tensor cores (the prompt path, decode attention and the q4 decode
+// matvec): kernels/mma.cuh
 // (tensor-core and cp.async helpers) is prepended to each.
 macro_rules! mma_kernel_source {
     ($name:literal) => {
@@ -48,6 +51,7 @@ macro_rules! mma_kernel_source {
 }
 
 pub const ATTENTION: KernelSource = mma_kernel_source!("attention");
+pub const MATVEC_TC: KernelSource = mma_kernel_source!("matvec_tc");
 pub const GEMM: KernelSource = mma_kernel_source!("gemm");
 pub const DELTANET_PREFILL: KernelSource = mma_kernel_source!("deltanet_prefill");
 pub const ATTENTION_PREFILL: KernelSource = mma_kernel_source!("attention_prefill");
@@ -73,6 +77,7 @@ pub const DECODE_LAYER: KernelSource = KernelSource {
 /// The modules every engine loads at start-up, in load order.
 pub const ALL: &[&KernelSource] = &[
     &MATVEC,
+    &MATVEC_TC,
     &DELTANET,
     &ATTENTION,
     &MOE,
@@ -86,5 +91,6 @@ pub const ALL: &[&KernelSource] = &[
 ];
 
 /// Modules compiled and loaded the first time one of their kernels is asked for: the opt-in
-/// persistent decode layer (CALLA_DECODE=layer), so that start-up does not compile it for everyone.
-pub const ON_DEMAND: &[&KernelSource] = &[&DECODE_LAYER];
+/// persistent decode layer (CALLA_DECODE=layer) and the lab's streaming floor, so that start-up
+/// does not compile them for everyone.
+pub const ON_DEMAND: &[&KernelSource] = &[&DECODE_LAYER, &LAB_STREAM];

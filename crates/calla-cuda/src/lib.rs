@@ -10,6 +10,7 @@ pub mod gpu;
 pub mod graph;
 pub mod grid_sync;
 pub mod kernels;
+pub mod lab_stream;
 pub mod matvec;
 pub mod moe;
 pub mod nvrtc;

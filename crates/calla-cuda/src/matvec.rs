@@ -92,6 +92,28 @@ pub fn matvec(
     segments: &[(DevMatrix, DPtr)],
     accumulate: bool,
 ) -> Result<Vec<Launch>> {
+    matvec_on(
+        gpu,
+        x,
+        k,
+        norm,
+        segments,
+        accumulate,
+        DotEngine::default_for_run(),
+    )
+}
+
+/// [`matvec`] on a chosen dot-product engine (q4 launches the tensor-core kernel cannot take fall
+/// back to the CUDA-core one).
+pub fn matvec_on(
+    gpu: &Gpu,
+    x: DPtr,
+    k: usize,
+    norm: Option<(DPtr, f32)>,
+    segments: &[(DevMatrix, DPtr)],
+    accumulate: bool,
+    engine: DotEngine,
+) -> Result<Vec<Launch>> {
     let mut launches = Vec::new();
     let mut remaining: Vec<&(DevMatrix, DPtr)> = segments.iter().collect();
     while !remaining.is_empty() {
@@ -102,10 +124,42 @@ pub fn matvec(
             .partition(|(m, _)| (m.format, m.group_size) == key);
         remaining = rest;
         for chunk in same.chunks(MAX_SEGMENTS) {
-            launches.push(matvec_one(gpu, x, k, norm, chunk, accumulate)?);
+            launches.push(matvec_one(gpu, x, k, norm, chunk, accumulate, engine)?);
         }
     }
     Ok(launches)
+}
+
+/// Which dot-product engine a q4 matvec runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DotEngine {
+    /// kernels/matvec.cu: CUDA-core dot products, every format and width
+    Rows,
+    /// kernels/matvec_tc.cu: q4 (group 64, bf16 parameters) on the tensor cores, K = 1024·{1, 2, 4}
+    TensorCores,
+}
+
+impl DotEngine {
+    /// The tensor cores wherever they take the matrix, unless the lab switch `CALLA_MATVEC=rows`
+    /// asks for the CUDA-core kernels (to measure one against the other end to end).
+    pub fn default_for_run() -> DotEngine {
+        if std::env::var("CALLA_MATVEC").as_deref() == Ok("rows") {
+            DotEngine::Rows
+        } else {
+            DotEngine::TensorCores
+        }
+    }
+}
+
+/// The tensor-core kernel's chunks of 128 columns per warp (K / 1024), when it takes `segments`.
+fn tensor_core_chunks(k: usize, segments: &[&(DevMatrix, DPtr)]) -> Option<usize> {
+    let takes = segments
+        .iter()
+        .all(|(m, _)| m.format == Format::Q4 && m.group_size == 64 && !m.param_f32);
+    match (takes, k) {
+        (true, 1024 | 2048 | 4096) => Some(k / 1024),
+        _ => None,
+    }
 }
 
 fn matvec_one(
@@ -115,8 +169,19 @@ fn matvec_one(
     norm: Option<(DPtr, f32)>,
     segments: &[&(DevMatrix, DPtr)],
     accumulate: bool,
+    engine: DotEngine,
 ) -> Result<Launch> {
     let p = params(x, k, norm, segments, accumulate)?;
+    if engine == DotEngine::TensorCores {
+        if let Some(chunks) = tensor_core_chunks(k, segments) {
+            let name = format!("matvec_tc_q4_c{chunks}");
+            let smem = (4 * k + k / 16) as u32; // B fragments (hi, lo) + Σx̂ per group
+            let resident = gpu.resident_blocks(&name, THREADS, smem)?;
+            let tiles = (p.total_rows as usize).div_ceil(16);
+            let grid = tiles.min(gpu.sm_count as usize * resident).max(1);
+            return Launch::new(gpu, &name, (grid as u32, 1, 1), THREADS, smem, &p);
+        }
+    }
     let format = segments[0].0.format;
     let total = p.total_rows as usize;
     let units = k / format.per_unit();

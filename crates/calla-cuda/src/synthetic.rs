@@ -37,7 +37,17 @@ pub struct Filler<'a> {
     grid: u32,
 }
 
-impl Filler<'_> {
+impl<'a> Filler<'a> {
+    /// Random tensors in `arena`, seeded (the same seed gives the same tensors).
+    pub fn new(gpu: &'a Arc<Gpu>, arena: &'a mut Arena, seed: u64) -> Filler<'a> {
+        let grid = (gpu.sm_count as u32) * 8;
+        Filler {
+            gpu,
+            arena,
+            seed,
+            grid,
+        }
+    }
     fn next_seed(&mut self) -> u64 {
         self.seed = self
             .seed

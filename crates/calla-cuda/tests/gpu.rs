@@ -20,3 +20,6 @@ mod engine;
 
 #[path = "gpu/grid_sync.rs"]
 mod grid_sync;
+
+#[path = "gpu/stream_floor.rs"]
+mod stream_floor;

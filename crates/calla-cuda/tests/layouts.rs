@@ -34,6 +34,7 @@ fn parameter_structs_match_the_kernels() {
         ("SelectParams", size_of::<select::SelectParams>(), 88),
         ("PenaltyParams", size_of::<select::PenaltyParams>(), 48),
         ("FillParams", size_of::<synthetic::FillParams>(), 40),
+        ("StreamParams", size_of::<lab_stream::StreamParams>(), 24),
         (
             "GridSyncCheckParams",
             size_of::<grid_sync::GridSyncCheckParams>(),

@@ -6,7 +6,7 @@ use calla_cpu::linear::Linear;
 use calla_cpu::moe::FeedForward;
 use calla_cuda::deltanet::{self, DeltaNetIo};
 use calla_cuda::forward;
-use calla_cuda::matvec;
+use calla_cuda::matvec::{self, DotEngine};
 use calla_cuda::pool::Arena;
 use calla_cuda::sequence::CudaSequence;
 use calla_cuda::weights::{DevMixer, Uploader};
@@ -68,6 +68,7 @@ fn matvec_every_format_against_cpu_linear() {
             (257, 512),
             (4352, 2048),
             (301, 4096),
+            (77, 1024),
         ] {
             if format == "q4" && k % 64 != 0 {
                 continue;
@@ -91,10 +92,25 @@ fn matvec_every_format_against_cpu_linear() {
                 arena.upload(&gain).unwrap(),
                 arena.upload(&start).unwrap(),
             );
-            for accumulate in [false, true] {
+            // q4 on both dot-product engines (the tensor-core kernel takes K = 1024, 2048, 4096;
+            // other widths fall back to the CUDA-core kernel, so those rows repeat it)
+            let engines: &[DotEngine] = if format == "q4" {
+                &[DotEngine::Rows, DotEngine::TensorCores]
+            } else {
+                &[DotEngine::Rows]
+            };
+            for (&engine, accumulate) in engines.iter().flat_map(|e| [(e, false), (e, true)]) {
                 gpu.htod(out, &start).unwrap();
-                for l in
-                    matvec::matvec(&gpu, xd, k, Some((gd, 1e-6)), &[(dm, out)], accumulate).unwrap()
+                for l in matvec::matvec_on(
+                    &gpu,
+                    xd,
+                    k,
+                    Some((gd, 1e-6)),
+                    &[(dm, out)],
+                    accumulate,
+                    engine,
+                )
+                .unwrap()
                 {
                     l.run(&gpu).unwrap();
                 }
@@ -110,7 +126,12 @@ fn matvec_every_format_against_cpu_linear() {
                     }
                 }
                 let name = format!(
-                    "matvec {format} norm{}",
+                    "matvec {format}{} norm{}",
+                    if engine == DotEngine::TensorCores {
+                        " tc"
+                    } else {
+                        ""
+                    },
                     if accumulate { " +residual" } else { "" }
                 );
                 all &= check(&name, &format!("[{rows},{k}]"), &got, &want, 2e-4, 2e-4);
@@ -189,26 +210,32 @@ fn matvec_every_format_against_cpu_linear() {
         .map(|p| arena.alloc_zeroed(p.rows * 4).unwrap())
         .collect();
     let segs: Vec<_> = dms.iter().copied().zip(outs.iter().copied()).collect();
-    let launches = matvec::matvec(&gpu, xd, k, Some((gd, 1e-6)), &segs, false).unwrap();
-    assert_eq!(launches.len(), 1, "four q4 segments share one launch");
-    for l in launches {
-        l.run(&gpu).unwrap();
-    }
     let xn = norm(&x, &w, 1e-6);
-    for (i, p) in parts.iter().enumerate() {
-        let got = download(&gpu, outs[i], p.rows);
-        let mut want = vec![0f32; p.rows];
-        Linear::new("w", p, p.rows, k)
-            .unwrap()
-            .matvec(&xn, &mut want);
-        all &= check(
-            &format!("matvec real in-proj segment {i} (q4, norm)"),
-            &format!("[{},{k}]", p.rows),
-            &got,
-            &want,
-            2e-4,
-            2e-4,
-        );
+    for engine in [DotEngine::Rows, DotEngine::TensorCores] {
+        for (o, p) in outs.iter().zip(&parts) {
+            gpu.memset_zero(*o, p.rows * 4).unwrap(); // no result of the other engine survives
+        }
+        let launches =
+            matvec::matvec_on(&gpu, xd, k, Some((gd, 1e-6)), &segs, false, engine).unwrap();
+        assert_eq!(launches.len(), 1, "four q4 segments share one launch");
+        for l in launches {
+            l.run(&gpu).unwrap();
+        }
+        for (i, p) in parts.iter().enumerate() {
+            let got = download(&gpu, outs[i], p.rows);
+            let mut want = vec![0f32; p.rows];
+            Linear::new("w", p, p.rows, k)
+                .unwrap()
+                .matvec(&xn, &mut want);
+            all &= check(
+                &format!("matvec real in-proj segment {i} (q4, norm, {engine:?})"),
+                &format!("[{},{k}]", p.rows),
+                &got,
+                &want,
+                2e-4,
+                2e-4,
+            );
+        }
     }
     assert!(all, "matvec mismatches (see the table)");
 }

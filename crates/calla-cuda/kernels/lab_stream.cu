@@ -1,0 +1,40 @@
+// lab_stream.cu: the streaming floor a decode kernel is measured against (lab only, loaded on
+// demand). stream_read_u<U> reads `bytes` from `src` as 16-byte loads, consecutive threads on
+// consecutive chunks (fully coalesced), U loads in flight per thread, grid-strided; the values are
+// folded by XOR and written only if they hit a magic word, so the loads stay live but nothing is
+// stored. What it measures: how long a kernel that does nothing but read N bytes from DRAM takes
+// inside a CUDA graph (launch, ramp-up, the bytes, the drain), by grid size and loads in flight
+// (tests/gpu/stream_floor.rs, docs/performance.md "Session 5").
+
+struct StreamParams {
+    u64 src;
+    u64 bytes; // multiple of 16
+    u64 out;   // u32, written only on a (never expected) magic value
+};
+
+template <int U>
+__device__ __forceinline__ void stream_body(const StreamParams& p) {
+    const uint4* src = (const uint4*)p.src;
+    const i64 n = (i64)(p.bytes / 16), stride = (i64)gridDim.x * blockDim.x;
+    u32 acc = 0;
+    for (i64 i0 = (i64)blockIdx.x * blockDim.x + threadIdx.x; i0 < n; i0 += U * stride) {
+        uint4 v[U];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const i64 i = i0 + k * stride;
+            v[k] = i < n ? ldg16(src + i) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < U; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+    }
+    if (acc == 0x9e3779b9u) *(u32*)p.out = acc;
+}
+
+#define STREAM_KERNEL(U) \
+    extern "C" __global__ void __launch_bounds__(256) stream_read_u##U(const StreamParams p) { stream_body<U>(p); }
+STREAM_KERNEL(1)
+STREAM_KERNEL(2)
+STREAM_KERNEL(4)
+STREAM_KERNEL(8)
+
+static_assert(sizeof(StreamParams) == 24, "StreamParams layout differs from its Rust twin");

@@ -1,0 +1,300 @@
+// matvec_tc.cu: the decode matrix-vector product y (+)= W·x̂ for q4 weights (group 64, bf16 scale and
+// bias) on the tensor cores, with the optional zero-centred RMSNorm of x fused in front; the same
+// contract as matvec.cu's kernels (same parameter struct), which stay for the other formats, for
+// widths this kernel does not take, and as the reference it is tested against.
+//
+// Why: matvec.cu's CUDA-core dot products cost ~3 instructions per weight (shift, mask, FMA), and a
+// block's rows came in passes that each waited for their own DRAM round trip after the x̂ prologue.
+// Measured on the real in-projection (12,352 × 2048, 14.2 MB; tests/gpu/stream_floor.rs): 14.8 µs,
+// of which ~5 µs arithmetic, against 4.4 µs for a kernel that only streams the same bytes
+// (docs/performance.md, "Session 5"). Here the products are mma.sync m16n8k16 (~1 instruction per
+// weight, the dequantisation), and each warp keeps the loads of its next NB tiles in flight from
+// the start — issued before the x̂ prologue, so DRAM latency overlaps it.
+//
+// Math (CPU reference: calla_cpu::linear::Linear::matvec on x̂; as matvec.cu):
+//   y[r] = Σ_groups s·Σ_k q·x̂ + b·Σ_k x̂
+//   A code q becomes the bf16 1 + q/16 (exact: the nibble placed in the top mantissa bits under
+//   the exponent of 1.0, two instructions per pair), so the tensor cores give T = Σ (1 + q/16)·x̂
+//   and Σ q·x̂ = 16·(T − Σx̂): y += 16s·T + (b − 16s)·Σx̂. x̂ goes in as bf16 hi + lo (x̂ − hi), two
+//   columns of B, so the products keep ~16 bits of x̂ and accumulate in f32; the offset of 1 costs
+//   about as many bits as the +16 of matvec.cu's q4 path.
+//
+// Layout (no repacking of the stored codes; a dot product's k order is free as long as A and B
+// follow the same one): a tile is 16 rows; the block's 8 warps split K, warp w taking the CW chunks
+// of 128 columns [w·CW, w·CW + CW). In a chunk, lane (g = lane/4, c = lane%4) loads the 16 bytes at
+// 16c of rows g and g + 8: 32 codes = columns 32c..32c + 31 of the chunk, so lanes c = 0, 1 hold
+// group 2·chunk and lanes c = 2, 3 group 2·chunk + 1. Word w of those 16 bytes feeds mmas 2w, 2w+1:
+// the pair (nibble p, nibble p + 4) is one bf16x2 register (p = 0, 1 for mma 2w; 2, 3 for 2w + 1),
+// standing for the mma's k (2c, 2c+1) (p = 0 or 2) or (2c+8, 2c+9) (p = 1 or 3). B (k × n) takes
+// x̂ at the same columns: n = 0, 1 the hi and lo parts restricted to the chunk's first group, n =
+// 2, 3 to its second, n ≥ 4 zero; so the accumulator's columns (0, 1) in lane c = 0 are group
+// 2·chunk's (hi, lo) sums and columns (2, 3) in lane c = 1 the next group's. The B registers are
+// built once per block in shared memory (bfrag) in the order the lanes read them (one 16-byte load
+// per lane and word); Σx̂ per group (gsum) is Σ(hi + lo), the values the products saw.
+// The 8 warps' partial sums of a tile meet in shared memory and are added in warp order.
+//
+// Shapes: x [K] f32, K = 1024·CW (CW = 1, 2, 4); W_seg [rows_seg, K] q4 g64, bf16 params; y_seg f32.
+// Launch: grid ≤ the blocks that fit at once (grid-stride over tiles), block 256, dynamic smem
+//   4·K + K/16 bytes. Bytes per call: Σ rows·K/2 of codes + rows·K/16 of params, x (K·4) per block.
+
+#define MTC_THREADS 256
+#define MTC_WARPS 8
+#define MAX_SEGMENTS 4
+
+// Same layout as matvec.cu's MatvecParams (one Rust twin: matvec.rs).
+struct MatvecSegment {
+    MatrixRef m;
+    u64 out;
+    int rows;
+    int pad;
+};
+struct MatvecParams {
+    u64 x;
+    u64 norm_gain;
+    MatvecSegment seg[MAX_SEGMENTS];
+    int K;
+    int nseg;
+    int group_size;
+    float eps;
+    int accumulate;
+    int total_rows;
+};
+
+// The bf16 pair (1 + q_p/16, 1 + q_{p+4}/16) of nibbles p and p + 4 of `word` (p = 0..3).
+__device__ __forceinline__ u32 q4_pair_one_plus(u32 word, int p) {
+    const u32 at3 = p == 0 ? word << 3 : word >> (4 * p - 3); // nibble p at bits 3..6, p + 4 at 19..22
+    return (at3 & 0x00780078u) | 0x3F803F80u;
+}
+
+// The weight loads of common.cuh (ldg16, ldg8), but `volatile`: they stay after the x loads that
+// precede them in program order, instead of being scheduled wherever the compiler likes.
+__device__ __forceinline__ uint4 ldg16_in_order(const void* p) {
+    uint4 v;
+    asm volatile(WEIGHT_LD_STR(WEIGHT_LD) ".v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 ldg8_in_order(const void* p) {
+    uint2 v;
+    asm volatile(WEIGHT_LD_STR(WEIGHT_LD) ".v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// Row `row` of the stacked segments: its segment and the row inside it.
+__device__ __forceinline__ void mtc_locate(const MatvecParams& p, int row, int& seg, int& local) {
+    int r = row, s = 0;
+    while (s < p.nseg - 1 && r >= p.seg[s].rows) {
+        r -= p.seg[s].rows;
+        ++s;
+    }
+    seg = s;
+    local = r;
+}
+
+template <int CW, int NB>
+__device__ __forceinline__ void matvec_tc_body(const MatvecParams& p) {
+    extern __shared__ float4 smem4[];
+    uint4* bfrag = (uint4*)smem4;                    // [K/128][4 words][4 lanes c][hi, lo]
+    float* gsum = (float*)(bfrag + (p.K / 128) * 32); // [K/64] Σ(hi + lo) per group
+    __shared__ float red[2][MTC_WARPS][16];
+    __shared__ float scratch[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    const int tiles = (p.total_rows + 15) >> 4;
+    LAB_ON(1);
+    LAB_STAMP(0);
+
+    // x and its norm gain first (from L2): the weight loads are issued only once they have arrived.
+    constexpr int WPT = (CW + 1) / 2; // words of 8 columns per thread
+    const int words = p.K / 8;
+    float4 xin[WPT][2], gin[WPT][2];
+#pragma unroll
+    for (int m = 0; m < WPT; ++m) {
+        const int wi = tid + MTC_THREADS * m;
+        xin[m][0] = xin[m][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        gin[m][0] = gin[m][1] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+        if (wi < words) {
+            xin[m][0] = ldcg_f4((const float4*)p.x + 2 * wi);
+            xin[m][1] = ldcg_f4((const float4*)p.x + 2 * wi + 1);
+            if (p.norm_gain) {
+                gin[m][0] = ((const float4*)p.norm_gain)[2 * wi];
+                gin[m][1] = ((const float4*)p.norm_gain)[2 * wi + 1];
+            }
+        }
+    }
+
+    // The loads of one tile for this lane: codes of rows g, g + 8 in the warp's CW chunks, and the
+    // (scale, bias) pairs of the 2·CW groups they span (one 8·CW-byte load per row; lane c uses
+    // group 2·chunk + (c & 1) of them).
+    auto issue = [&](int t, uint4 (&cd)[CW][2], u32 (&pr)[2][2 * CW]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int seg, local;
+            mtc_locate(p, min(16 * t + g + 8 * h, p.total_rows - 1), seg, local); // past the end: the last row
+            const MatrixRef& m = p.seg[seg].m;
+            const u8* data = (const u8*)m.data + (i64)local * m.row_bytes;
+            const u8* prm = (const u8*)m.params + ((i64)local * m.groups_per_row + 2 * warp * CW) * 4;
+#pragma unroll
+            for (int ch = 0; ch < CW; ++ch) cd[ch][h] = ldg16_in_order(data + (warp * CW + ch) * 64 + c * 16);
+            if (CW == 1) {
+                const uint2 v = ldg8_in_order(prm);
+                pr[h][0] = v.x;
+                pr[h][1] = v.y;
+            } else {
+#pragma unroll
+                for (int q = 0; q < CW / 2; ++q) {
+                    const uint4 v = ldg16_in_order(prm + 16 * q);
+                    pr[h][4 * q + 0] = v.x;
+                    pr[h][4 * q + 1] = v.y;
+                    pr[h][4 * q + 2] = v.z;
+                    pr[h][4 * q + 3] = v.w;
+                }
+            }
+        }
+    };
+
+    uint4 codes[NB][CW][2];
+    u32 par[NB][2][2 * CW];
+
+    // x̂ (with the norm), split into hi + lo and laid out as B registers; thread tid owns the words
+    // (8 consecutive columns) tid, tid + 256, …: word wi = columns 8wi.., chunk wi/16, lane c =
+    // (wi/4)%4, word w = wi%4 of that lane's 16 bytes.
+    {
+        float xv[WPT][8];
+        float ss = 0.0f;
+#pragma unroll
+        for (int m = 0; m < WPT; ++m) {
+            const float4 a = xin[m][0], b = xin[m][1], ga = gin[m][0], gb = gin[m][1];
+            const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            const float gn[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                ss += v[i] * v[i];
+                xv[m][i] = v[i] * gn[i];
+            }
+        }
+        // Σx² over the block (its barrier also waits for every warp's x) before the weight loads are
+        // issued: behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive (measured).
+        const float total = block_sum(ss, scratch);
+        const float inv = p.norm_gain ? 1.0f / sqrtf(total / (float)p.K + p.eps) : 1.0f; // x̂ = x / √(mean(x²) + eps)
+#pragma unroll
+        for (int s = 0; s < NB; ++s) {
+            const int t = blockIdx.x + s * gridDim.x;
+            if (t < tiles) issue(t, codes[s], par[s]);
+        }
+        LAB_STAMP(1);
+#pragma unroll
+        for (int m = 0; m < WPT; ++m) {
+            const int wi = tid + MTC_THREADS * m;
+            float hi[8], lo[8], sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float x = p.norm_gain ? xv[m][i] * inv : xv[m][i];
+                hi[i] = bf16_to_f32(f32_to_bf16(x));
+                lo[i] = bf16_to_f32(f32_to_bf16(x - hi[i]));
+                sum += hi[i] + lo[i];
+            }
+            // a group is 8 words = 8 consecutive threads
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+            if (wi < words) {
+                const int slot = ((wi >> 4) * 4 + (wi & 3)) * 4 + ((wi >> 2) & 3);
+                // mma 2w: (p0, p4), (p1, p5); mma 2w + 1: (p2, p6), (p3, p7)
+                bfrag[slot * 2 + 0] = make_uint4(pack_bf16(hi[0], hi[4]), pack_bf16(hi[1], hi[5]),
+                                                 pack_bf16(hi[2], hi[6]), pack_bf16(hi[3], hi[7]));
+                bfrag[slot * 2 + 1] = make_uint4(pack_bf16(lo[0], lo[4]), pack_bf16(lo[1], lo[5]),
+                                                 pack_bf16(lo[2], lo[6]), pack_bf16(lo[3], lo[7]));
+                if ((wi & 7) == 0) gsum[wi >> 3] = sum;
+            }
+        }
+    }
+    __syncthreads();
+    LAB_STAMP(2);
+
+    // Lanes g < 4 carry B's columns: g = 0, 1 the hi and lo parts of the chunk's first group (lanes
+    // c = 0, 1 hold its columns), g = 2, 3 of the second (c = 2, 3); every other lane gives zeros.
+    const bool b_live = g < 4 && (c >> 1) == (g >> 1);
+    auto compute = [&](int t, const uint4 (&cd)[CW][2], const u32 (&pr)[2][2 * CW], int buf) {
+        const bool lab_first = t == blockIdx.x;
+        if (lab_first) {
+            LAB_AFTER(cd[0][0].x);
+            LAB_STAMP(3);
+        }
+        float acc0 = 0.0f, acc1 = 0.0f; // rows g, g + 8 (meaningful in lanes c = 0, 1)
+#pragma unroll
+        for (int ch = 0; ch < CW; ++ch) {
+            const int kc = warp * CW + ch;
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const u32 wg[4] = {cd[ch][0].x, cd[ch][0].y, cd[ch][0].z, cd[ch][0].w};
+            const u32 wg8[4] = {cd[ch][1].x, cd[ch][1].y, cd[ch][1].z, cd[ch][1].w};
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                uint4 bv = make_uint4(0u, 0u, 0u, 0u);
+                if (b_live) bv = bfrag[((kc * 4 + w) * 4 + c) * 2 + (g & 1)];
+                const u32 a0[4] = {q4_pair_one_plus(wg[w], 0), q4_pair_one_plus(wg8[w], 0),
+                                   q4_pair_one_plus(wg[w], 1), q4_pair_one_plus(wg8[w], 1)};
+                mma_bf16(d, a0, bv.x, bv.y);
+                const u32 a1[4] = {q4_pair_one_plus(wg[w], 2), q4_pair_one_plus(wg8[w], 2),
+                                   q4_pair_one_plus(wg[w], 3), q4_pair_one_plus(wg8[w], 3)};
+                mma_bf16(d, a1, bv.z, bv.w);
+            }
+            const float sx = gsum[2 * kc + (c & 1)];
+            const bool odd = c & 1; // a select, not a run-time index (that would put pr in local memory)
+            const u32 sb0 = odd ? pr[0][2 * ch + 1] : pr[0][2 * ch], sb1 = odd ? pr[1][2 * ch + 1] : pr[1][2 * ch];
+            const float s0 = 16.0f * bf16_lo(sb0), s1 = 16.0f * bf16_lo(sb1);
+            acc0 += fmaf(s0, d[0] + d[1], (bf16_hi(sb0) - s0) * sx);
+            acc1 += fmaf(s1, d[2] + d[3], (bf16_hi(sb1) - s1) * sx);
+        }
+        // lanes c = 0 and 1 hold the two groups of each chunk: their sum is the warp's share
+        acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+        acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+        if (c == 0) {
+            red[buf][warp][g] = acc0;
+            red[buf][warp][g + 8] = acc1;
+        }
+        if (lab_first) LAB_STAMP(4);
+        __syncthreads();
+        if (lab_first) LAB_STAMP(5);
+        if (tid < 16 && 16 * t + tid < p.total_rows) {
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < MTC_WARPS; ++w) v += red[buf][w][tid];
+            int seg, local;
+            mtc_locate(p, 16 * t + tid, seg, local);
+            float* y = (float*)p.seg[seg].out;
+            y[local] = p.accumulate ? ldcg_f32(y + local) + v : v;
+        }
+    };
+
+    // Tile j of this block is blockIdx.x + j·gridDim.x, held in register slot j % NB; its slot is
+    // refilled with tile j + NB as soon as it has been used.
+    for (int j0 = 0; blockIdx.x + j0 * gridDim.x < tiles; j0 += NB) {
+#pragma unroll
+        for (int s = 0; s < NB; ++s) {
+            const int t = blockIdx.x + (j0 + s) * gridDim.x;
+            if (t >= tiles) break;
+            compute(t, codes[s], par[s], (j0 + s) & 1);
+            const int tn = t + NB * gridDim.x;
+            if (tn < tiles) issue(tn, codes[s], par[s]);
+        }
+    }
+    LAB_STAMP(6);
+}
+
+// CW = K / 1024 chunks per warp; NB tiles in flight per warp (~64 registers of loads). Lab:
+// CALLA_NVRTC_DEFINES=MTC_NB_C2=n (or _C1, _C4) changes NB.
+#ifndef MTC_NB_C1
+#define MTC_NB_C1 4
+#endif
+#ifndef MTC_NB_C2
+#define MTC_NB_C2 2
+#endif
+#ifndef MTC_NB_C4
+#define MTC_NB_C4 1 // the K = 4096 products (out-projections) have ≤ 1 tile per block
+#endif
+extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c1(const MatvecParams p) { matvec_tc_body<1, MTC_NB_C1>(p); }
+extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c2(const MatvecParams p) { matvec_tc_body<2, MTC_NB_C2>(p); }
+extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c4(const MatvecParams p) { matvec_tc_body<4, MTC_NB_C4>(p); }
+
+LAB_STAMPS_COPY(matvec_tc_lab_stamps)
+
+static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");
