@@ -1,7 +1,11 @@
-// matvec_tc.cu: the decode matrix-vector product y (+)= W·x̂ for q4 weights (group 64, bf16 scale and
-// bias) on the tensor cores, with the optional zero-centred RMSNorm of x fused in front; the same
-// contract as matvec.cu's kernels (same parameter struct), which stay for the other formats, for
-// widths this kernel does not take, and as the reference it is tested against.
+// matvec_tc.cu: the decode matrix-vector products for q4 weights (group 64, bf16 scale and bias) on the
+// tensor cores, with the optional zero-centred RMSNorm of x fused in front:
+//   matvec_tc_q4_c*:         y (+)= W·x̂, matvec.cu's contract (same parameter struct);
+//   matvec_tc_gate_up_q4_c*: the MoE's act = silu(gate·x̂)·(up·x̂) for every slot, moe.cu's gate/up
+//                            contract (same parameter struct, GateUpParams).
+// matvec.cu's and moe.cu's kernels stay for the other formats, for widths these do not take, and as
+// the reference they are tested against. One body (tc_body) serves both: a "map" says where a tile's
+// rows are and what happens to its sums.
 //
 // Why: matvec.cu's CUDA-core dot products cost ~3 instructions per weight (shift, mask, FMA), and a
 // block's rows came in passes that each waited for their own DRAM round trip after the x̂ prologue.
@@ -60,6 +64,19 @@ struct MatvecParams {
     int total_rows;
 };
 
+// Same layout as moe.cu's GateUpParams (one Rust twin: moe.rs).
+#define MOE_MAX_A 32
+struct GateUpParams {
+    u64 x;
+    u64 norm_gain;
+    MatrixRef experts;
+    MatrixRef shared;
+    u64 topk_ids;
+    u64 act;
+    int D, I, Is, A, group_size, act_stride, slot_offset;
+    float eps;
+};
+
 // The bf16 pair (1 + q_p/16, 1 + q_{p+4}/16) of nibbles p and p + 4 of `word` (p = 0..3).
 __device__ __forceinline__ u32 q4_pair_one_plus(u32 word, int p) {
     const u32 at3 = p == 0 ? word << 3 : word >> (4 * p - 3); // nibble p at bits 3..6, p + 4 at 19..22
@@ -79,32 +96,115 @@ __device__ __forceinline__ uint2 ldg8_in_order(const void* p) {
     return v;
 }
 
-// Row `row` of the stacked segments: its segment and the row inside it.
-__device__ __forceinline__ void mtc_locate(const MatvecParams& p, int row, int& seg, int& local) {
-    int r = row, s = 0;
-    while (s < p.nseg - 1 && r >= p.seg[s].rows) {
-        r -= p.seg[s].rows;
-        ++s;
-    }
-    seg = s;
-    local = r;
-}
+// What the body below needs to know about one kind of product (a "map"): how many 16-row tiles,
+// where tile row r's codes and (scale, bias) start, the input vector (and its norm gain, or 0), and
+// what to do with the 16 row sums of a tile (`finish`, threads tid < 16 of the block: red[w][r] is
+// warp w's share of row r). `prologue` runs first in every thread (shared-memory lookups it needs
+// are published by the x barrier).
 
-template <int CW, int NB>
-__device__ __forceinline__ void matvec_tc_body(const MatvecParams& p) {
+// Plain matvec: y_seg (+)= W_seg·x̂ over up to 4 stacked segments.
+struct MatvecMap {
+    const MatvecParams& p;
+    __device__ int tiles() const { return (p.total_rows + 15) >> 4; }
+    __device__ u64 x() const { return p.x; }
+    __device__ u64 norm_gain() const { return p.norm_gain; }
+    __device__ float eps() const { return p.eps; }
+    __device__ int K() const { return p.K; }
+    __device__ void prologue() const {}
+    // Row `row` of the stacked segments: its segment and the row inside it.
+    __device__ void locate(int row, int& seg, int& local) const {
+        int r = row, s = 0;
+        while (s < p.nseg - 1 && r >= p.seg[s].rows) {
+            r -= p.seg[s].rows;
+            ++s;
+        }
+        seg = s;
+        local = r;
+    }
+    __device__ void row(int t, int r, const u8*& data, const u8*& prm) const {
+        int seg, local;
+        locate(min(16 * t + r, p.total_rows - 1), seg, local); // past the end: the last row again
+        const MatrixRef& m = p.seg[seg].m;
+        data = (const u8*)m.data + (i64)local * m.row_bytes;
+        prm = (const u8*)m.params + (i64)local * m.groups_per_row * 4;
+    }
+    __device__ void finish(int t, int tid, const float (*red)[16]) const {
+        if (tid >= 16 || 16 * t + tid >= p.total_rows) return;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MTC_WARPS; ++w) v += red[w][tid];
+        int seg, local;
+        locate(16 * t + tid, seg, local);
+        float* y = (float*)p.seg[seg].out;
+        y[local] = p.accumulate ? ldcg_f32(y + local) + v : v;
+    }
+};
+
+// MoE gate/up (moe.cu's contract, GateUpParams): slot s (routed experts' ids from topk_ids, then the
+// shared expert) gets act[s, j] = silu(gate_j·x̂)·(up_j·x̂). A tile is gate rows j0..j0+7 (tile rows
+// 0–7) and the up rows j0..j0+7 (rows 8–15) of one slot, so row sums r and r + 8 make act[j0 + r].
+struct GateUpMap {
+    const GateUpParams& p;
+    int* expert; // shared [MOE_MAX_A + 1]: the slots' experts
+    __device__ int n_max() const { return max(p.A > p.slot_offset ? p.I : 0, p.Is); }
+    __device__ int per_slot() const { return (n_max() + 7) >> 3; }
+    __device__ int slots() const { return (int)gridDim.y; }
+    __device__ int tiles() const { return per_slot() * slots(); }
+    __device__ u64 x() const { return p.x; }
+    __device__ u64 norm_gain() const { return p.norm_gain; }
+    __device__ float eps() const { return p.eps; }
+    __device__ int K() const { return p.D; }
+    __device__ void prologue() const {
+        for (int s = threadIdx.x; s < slots(); s += blockDim.x) {
+            const int slot = s + p.slot_offset;
+            expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
+        }
+    }
+    __device__ void row(int t, int r, const u8*& data, const u8*& prm) const {
+        const int s = t / per_slot(), slot = s + p.slot_offset;
+        const bool routed = slot < p.A;
+        const int n = routed ? p.I : p.Is;
+        const int j = min((t - s * per_slot()) * 8 + (r & 7), n - 1);
+        const MatrixRef& m = routed ? p.experts : p.shared;
+        const i64 row = (routed ? (i64)expert[s] * 2 * p.I : 0) + (r >> 3) * n + j;
+        data = (const u8*)m.data + row * m.row_bytes;
+        prm = (const u8*)m.params + row * m.groups_per_row * 4;
+    }
+    __device__ void finish(int t, int tid, const float (*red)[16]) const {
+        const int s = t / per_slot(), slot = s + p.slot_offset;
+        const int n = slot < p.A ? p.I : p.Is;
+        const int j = (t - s * per_slot()) * 8 + tid;
+        if (tid >= 8 || j >= n) return;
+        float gate = 0.0f, up = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MTC_WARPS; ++w) {
+            gate += red[w][tid];
+            up += red[w][tid + 8];
+        }
+        ((float*)p.act)[(i64)slot * p.act_stride + j] = silu_f(gate) * up;
+    }
+};
+
+template <int CW, int NB, typename Map>
+__device__ __forceinline__ void tc_body(const Map& map) {
     extern __shared__ float4 smem4[];
-    uint4* bfrag = (uint4*)smem4;                    // [K/128][4 words][4 lanes c][hi, lo]
-    float* gsum = (float*)(bfrag + (p.K / 128) * 32); // [K/64] Σ(hi + lo) per group
+    const int K = map.K();
+    uint4* bfrag = (uint4*)smem4;                 // [K/128][4 words][4 lanes c][hi, lo]
+    float* gsum = (float*)(bfrag + (K / 128) * 32); // [K/64] Σ(hi + lo) per group
     __shared__ float red[2][MTC_WARPS][16];
     __shared__ float scratch[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-    const int tiles = (p.total_rows + 15) >> 4;
+    const int tiles = map.tiles();
+    // the grid may be 2-D (gate/up: (blocks, slots)); the tiles are spread over all its blocks
+    const int block = blockIdx.x + blockIdx.y * gridDim.x, nblocks = gridDim.x * gridDim.y;
+    const u64 px = map.x(), pgain = map.norm_gain();
     LAB_ON(1);
     LAB_STAMP(0);
+    map.prologue();
 
     // x and its norm gain first (from L2): the weight loads are issued only once they have arrived.
     constexpr int WPT = (CW + 1) / 2; // words of 8 columns per thread
-    const int words = p.K / 8;
+    const int words = K / 8;
     float4 xin[WPT][2], gin[WPT][2];
 #pragma unroll
     for (int m = 0; m < WPT; ++m) {
@@ -112,11 +212,11 @@ __device__ __forceinline__ void matvec_tc_body(const MatvecParams& p) {
         xin[m][0] = xin[m][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         gin[m][0] = gin[m][1] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
         if (wi < words) {
-            xin[m][0] = ldcg_f4((const float4*)p.x + 2 * wi);
-            xin[m][1] = ldcg_f4((const float4*)p.x + 2 * wi + 1);
-            if (p.norm_gain) {
-                gin[m][0] = ((const float4*)p.norm_gain)[2 * wi];
-                gin[m][1] = ((const float4*)p.norm_gain)[2 * wi + 1];
+            xin[m][0] = ldcg_f4((const float4*)px + 2 * wi);
+            xin[m][1] = ldcg_f4((const float4*)px + 2 * wi + 1);
+            if (pgain) {
+                gin[m][0] = ((const float4*)pgain)[2 * wi];
+                gin[m][1] = ((const float4*)pgain)[2 * wi + 1];
             }
         }
     }
@@ -127,11 +227,9 @@ __device__ __forceinline__ void matvec_tc_body(const MatvecParams& p) {
     auto issue = [&](int t, uint4 (&cd)[CW][2], u32 (&pr)[2][2 * CW]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            int seg, local;
-            mtc_locate(p, min(16 * t + g + 8 * h, p.total_rows - 1), seg, local); // past the end: the last row
-            const MatrixRef& m = p.seg[seg].m;
-            const u8* data = (const u8*)m.data + (i64)local * m.row_bytes;
-            const u8* prm = (const u8*)m.params + ((i64)local * m.groups_per_row + 2 * warp * CW) * 4;
+            const u8 *data, *row_prm;
+            map.row(t, g + 8 * h, data, row_prm);
+            const u8* prm = row_prm + 2 * warp * CW * 4;
 #pragma unroll
             for (int ch = 0; ch < CW; ++ch) cd[ch][h] = ldg16_in_order(data + (warp * CW + ch) * 64 + c * 16);
             if (CW == 1) {
@@ -174,10 +272,10 @@ __device__ __forceinline__ void matvec_tc_body(const MatvecParams& p) {
         // Σx² over the block (its barrier also waits for every warp's x) before the weight loads are
         // issued: behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive (measured).
         const float total = block_sum(ss, scratch);
-        const float inv = p.norm_gain ? 1.0f / sqrtf(total / (float)p.K + p.eps) : 1.0f; // x̂ = x / √(mean(x²) + eps)
+        const float inv = pgain ? 1.0f / sqrtf(total / (float)K + map.eps()) : 1.0f; // x̂ = x / √(mean(x²) + eps)
 #pragma unroll
         for (int s = 0; s < NB; ++s) {
-            const int t = blockIdx.x + s * gridDim.x;
+            const int t = block + s * nblocks;
             if (t < tiles) issue(t, codes[s], par[s]);
         }
         LAB_STAMP(1);
@@ -187,7 +285,7 @@ __device__ __forceinline__ void matvec_tc_body(const MatvecParams& p) {
             float hi[8], lo[8], sum = 0.0f;
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const float x = p.norm_gain ? xv[m][i] * inv : xv[m][i];
+                const float x = pgain ? xv[m][i] * inv : xv[m][i];
                 hi[i] = bf16_to_f32(f32_to_bf16(x));
                 lo[i] = bf16_to_f32(f32_to_bf16(x - hi[i]));
                 sum += hi[i] + lo[i];
@@ -214,7 +312,7 @@ __device__ __forceinline__ void matvec_tc_body(const MatvecParams& p) {
     // c = 0, 1 hold its columns), g = 2, 3 of the second (c = 2, 3); every other lane gives zeros.
     const bool b_live = g < 4 && (c >> 1) == (g >> 1);
     auto compute = [&](int t, const uint4 (&cd)[CW][2], const u32 (&pr)[2][2 * CW], int buf) {
-        const bool lab_first = t == blockIdx.x;
+        const bool lab_first = t == block;
         if (lab_first) {
             LAB_AFTER(cd[0][0].x);
             LAB_STAMP(3);
@@ -254,26 +352,18 @@ __device__ __forceinline__ void matvec_tc_body(const MatvecParams& p) {
         if (lab_first) LAB_STAMP(4);
         __syncthreads();
         if (lab_first) LAB_STAMP(5);
-        if (tid < 16 && 16 * t + tid < p.total_rows) {
-            float v = 0.0f;
-#pragma unroll
-            for (int w = 0; w < MTC_WARPS; ++w) v += red[buf][w][tid];
-            int seg, local;
-            mtc_locate(p, 16 * t + tid, seg, local);
-            float* y = (float*)p.seg[seg].out;
-            y[local] = p.accumulate ? ldcg_f32(y + local) + v : v;
-        }
+        map.finish(t, tid, red[buf]);
     };
 
-    // Tile j of this block is blockIdx.x + j·gridDim.x, held in register slot j % NB; its slot is
+    // Tile j of this block is block + j·nblocks, held in register slot j % NB; its slot is
     // refilled with tile j + NB as soon as it has been used.
-    for (int j0 = 0; blockIdx.x + j0 * gridDim.x < tiles; j0 += NB) {
+    for (int j0 = 0; block + j0 * nblocks < tiles; j0 += NB) {
 #pragma unroll
         for (int s = 0; s < NB; ++s) {
-            const int t = blockIdx.x + (j0 + s) * gridDim.x;
+            const int t = block + (j0 + s) * nblocks;
             if (t >= tiles) break;
             compute(t, codes[s], par[s], (j0 + s) & 1);
-            const int tn = t + NB * gridDim.x;
+            const int tn = t + NB * nblocks;
             if (tn < tiles) issue(tn, codes[s], par[s]);
         }
     }
@@ -291,10 +381,19 @@ __device__ __forceinline__ void matvec_tc_body(const MatvecParams& p) {
 #ifndef MTC_NB_C4
 #define MTC_NB_C4 1 // the K = 4096 products (out-projections) have ≤ 1 tile per block
 #endif
-extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c1(const MatvecParams p) { matvec_tc_body<1, MTC_NB_C1>(p); }
-extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c2(const MatvecParams p) { matvec_tc_body<2, MTC_NB_C2>(p); }
-extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c4(const MatvecParams p) { matvec_tc_body<4, MTC_NB_C4>(p); }
+#define MTC_KERNELS(CW, NB) \
+    extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c##CW(const MatvecParams p) { \
+        tc_body<CW, NB>(MatvecMap{p}); \
+    } \
+    extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c##CW(const GateUpParams p) { \
+        __shared__ int expert[MOE_MAX_A + 1]; \
+        tc_body<CW, NB>(GateUpMap{p, expert}); \
+    }
+MTC_KERNELS(1, MTC_NB_C1)
+MTC_KERNELS(2, MTC_NB_C2)
+MTC_KERNELS(4, MTC_NB_C4)
 
 LAB_STAMPS_COPY(matvec_tc_lab_stamps)
 
 static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");
+static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");

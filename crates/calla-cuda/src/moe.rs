@@ -5,6 +5,7 @@ use anyhow::{ensure, Result};
 
 use crate::gpu::{DPtr, Gpu, Launch};
 use crate::grid_sync::GridSync;
+use crate::matvec::DotEngine;
 use crate::weights::Format;
 use crate::weights::{DevMatrix, MatrixRef};
 
@@ -119,6 +120,7 @@ fn gate_up_launch(
     routed: Option<(&DevMatrix, usize, usize)>,
     shared: Option<&DevMatrix>,
     slots: (usize, usize),
+    engine: DotEngine,
 ) -> Result<Launch> {
     let fmt = routed.map(|r| r.0).or(shared).expect("a slot").format;
     let d = routed
@@ -148,10 +150,33 @@ fn gate_up_launch(
         slot_offset: slots.0 as i32,
         eps: io.eps,
     };
+    let nslots = slots.1 - slots.0;
+    let n = i.max(is);
+    let q4_tc = |m: &DevMatrix| m.format == Format::Q4 && m.group_size == 64 && !m.param_f32;
+    if engine == DotEngine::TensorCores
+        && matches!(d, 1024 | 2048 | 4096)
+        && routed.is_none_or(|r| q4_tc(r.0))
+        && shared.is_none_or(q4_tc)
+    {
+        // kernels/matvec_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
+        // blocks that fit at once
+        let name = format!("matvec_tc_gate_up_q4_c{}", d / 1024);
+        let smem = (4 * d + d / 16) as u32;
+        let resident = gpu.sm_count as usize * gpu.resident_blocks(&name, THREADS, smem)?;
+        let tiles = n.div_ceil(8) * nslots;
+        let grid_x = (tiles.min(resident) / nslots).max(1);
+        return Launch::new(
+            gpu,
+            &name,
+            (grid_x as u32, nslots as u32, 1),
+            THREADS,
+            smem,
+            &p,
+        );
+    }
     let width = crate::matvec::lanes_per_row(d / fmt.per_unit());
     // a lane group takes two (gate, up) row pairs
     let pairs_per_pass = THREADS as usize / width * 2;
-    let n = i.max(is);
     let grid_x = n.div_ceil(pairs_per_pass).max(1);
     Launch::new(
         gpu,
@@ -236,6 +261,12 @@ fn router_params(w: &MoeWeightsRef, io: &MoeIo) -> RouterParams {
 /// The sparse MoE block: router+top-k, gate/up, down+combine+residual (3 launches when the shared
 /// expert has the routed experts' format; 5 otherwise).
 pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
+    moe_on(gpu, w, io, DotEngine::default_for_run())
+}
+
+/// [`moe`] with the gate/up products on a chosen dot-product engine (q4 experts in groups of 64 on
+/// the tensor cores, when the shapes allow; the CUDA-core kernels otherwise).
+pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Result<Vec<Launch>> {
     let d = w.router.cols;
     let (e, a) = (w.experts, w.top_k);
     ensure!(
@@ -275,6 +306,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
                 Some((w.gate_up, i, a)),
                 Some(sgu),
                 (0, a + 1),
+                engine,
             )?);
         }
         (Some((sgu, _)), _) => {
@@ -286,6 +318,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
                 Some((w.gate_up, i, a)),
                 None,
                 (0, a),
+                engine,
             )?);
             launches.push(gate_up_launch(
                 gpu,
@@ -295,6 +328,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
                 None,
                 Some(sgu),
                 (a, a + 1),
+                engine,
             )?);
         }
         (None, _) => launches.push(gate_up_launch(
@@ -305,6 +339,7 @@ pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
             Some((w.gate_up, i, a)),
             None,
             (0, a),
+            engine,
         )?),
     }
     match (w.shared, same) {
@@ -342,7 +377,16 @@ pub fn dense_mlp(
     io: &MoeIo,
 ) -> Result<Vec<Launch>> {
     Ok(vec![
-        gate_up_launch(gpu, io, io.h, true, None, Some(gate_up), (0, 1))?,
+        gate_up_launch(
+            gpu,
+            io,
+            io.h,
+            true,
+            None,
+            Some(gate_up),
+            (0, 1),
+            DotEngine::default_for_run(),
+        )?,
         down_launch(gpu, io, None, Some((down, io.one)), 0, (0, 1))?,
     ])
 }

@@ -1201,5 +1201,9 @@ fn moe_and_mlp_against_cpu() {
     all &= ffn_case("dense SwiGLU MLP f32", &dense, &w, 1e-4);
     let (real, w) = real_two_layers();
     all &= ffn_case("moe q4 (real dims, 256 experts)", real, w, 2e-4);
+    // the same on the CUDA-core kernels (the tensor-core gate/up is the default where it applies)
+    std::env::set_var("CALLA_MATVEC", "rows");
+    all &= ffn_case("moe q4 (real dims, 256 experts), CUDA cores", real, w, 2e-4);
+    std::env::remove_var("CALLA_MATVEC");
     assert!(all);
 }
