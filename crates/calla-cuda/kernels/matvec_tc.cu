@@ -2,10 +2,12 @@
 // tensor cores, with the optional zero-centred RMSNorm of x fused in front:
 //   matvec_tc_q4_c*:         y (+)= W·x̂, matvec.cu's contract (same parameter struct);
 //   matvec_tc_gate_up_q4_c*: the MoE's act = silu(gate·x̂)·(up·x̂) for every slot, moe.cu's gate/up
-//                            contract (same parameter struct, GateUpParams).
+//                            contract (same parameter struct, GateUpParams);
+//   matvec_tc_down_q4:       the MoE's h += Σ_slots w·down·act, moe.cu's down contract (DownParams).
 // matvec.cu's and moe.cu's kernels stay for the other formats, for widths these do not take, and as
-// the reference they are tested against. One body (tc_body) serves both: a "map" says where a tile's
-// rows are and what happens to its sums.
+// the reference they are tested against. One body (tc_body) serves the first two: a "map" says where
+// a tile's rows are and what happens to its sums; down has its own (tc_down_body), on the same
+// helpers (tc_stage_word, tc_chunk).
 //
 // Why: matvec.cu's CUDA-core dot products cost ~3 instructions per weight (shift, mask, FMA), and a
 // block's rows came in passes that each waited for their own DRAM round trip after the x̂ prologue.
@@ -94,6 +96,58 @@ __device__ __forceinline__ uint2 ldg8_in_order(const void* p) {
     uint2 v;
     asm volatile(WEIGHT_LD_STR(WEIGHT_LD) ".v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
+}
+
+// Word wi of the input (columns 8wi..8wi+7, values x) into the B registers and group sums: chunk wi/16,
+// lane c = (wi/4)%4, word w = wi%4 of that lane's 16 bytes; hi = bf16(x), lo = bf16(x − hi). A group
+// is 8 consecutive words held by 8 consecutive lanes, so every lane of the warp must call this
+// (`valid` false: the word does not exist, nothing is written).
+__device__ __forceinline__ void tc_stage_word(int wi, bool valid, const float (&x)[8], uint4* bfrag, float* gsum) {
+    float hi[8], lo[8], sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        hi[i] = bf16_to_f32(f32_to_bf16(x[i]));
+        lo[i] = bf16_to_f32(f32_to_bf16(x[i] - hi[i]));
+        sum += hi[i] + lo[i];
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+    if (valid) {
+        const int slot = ((wi >> 4) * 4 + (wi & 3)) * 4 + ((wi >> 2) & 3);
+        // mma 2w: (p0, p4), (p1, p5); mma 2w + 1: (p2, p6), (p3, p7)
+        bfrag[slot * 2 + 0] = make_uint4(pack_bf16(hi[0], hi[4]), pack_bf16(hi[1], hi[5]),
+                                         pack_bf16(hi[2], hi[6]), pack_bf16(hi[3], hi[7]));
+        bfrag[slot * 2 + 1] = make_uint4(pack_bf16(lo[0], lo[4]), pack_bf16(lo[1], lo[5]),
+                                         pack_bf16(lo[2], lo[6]), pack_bf16(lo[3], lo[7]));
+        if ((wi & 7) == 0) gsum[wi >> 3] = sum;
+    }
+}
+
+// One chunk (128 columns, chunk kc of the B registers) of rows g and g + 8: 8 mmas from their codes
+// (r0, r8) and the fold into acc0, acc1 with the lane's group's (scale, bias) sb0, sb1 (lanes c = 0, 1
+// hold the chunk's two groups; lanes c = 2, 3 compute values nobody reads).
+__device__ __forceinline__ void tc_chunk(const uint4& r0, const uint4& r8, u32 sb0, u32 sb1, const uint4* bfrag,
+                                         const float* gsum, int kc, bool b_live, int g, int c, float& acc0,
+                                         float& acc1) {
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const u32 wg[4] = {r0.x, r0.y, r0.z, r0.w};
+    const u32 wg8[4] = {r8.x, r8.y, r8.z, r8.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        uint4 bv = make_uint4(0u, 0u, 0u, 0u);
+        if (b_live) bv = bfrag[((kc * 4 + w) * 4 + c) * 2 + (g & 1)];
+        const u32 a0[4] = {q4_pair_one_plus(wg[w], 0), q4_pair_one_plus(wg8[w], 0), q4_pair_one_plus(wg[w], 1),
+                           q4_pair_one_plus(wg8[w], 1)};
+        mma_bf16(d, a0, bv.x, bv.y);
+        const u32 a1[4] = {q4_pair_one_plus(wg[w], 2), q4_pair_one_plus(wg8[w], 2), q4_pair_one_plus(wg[w], 3),
+                           q4_pair_one_plus(wg8[w], 3)};
+        mma_bf16(d, a1, bv.z, bv.w);
+    }
+    const float sx = gsum[2 * kc + (c & 1)];
+    const float s0 = 16.0f * bf16_lo(sb0), s1 = 16.0f * bf16_lo(sb1);
+    acc0 += fmaf(s0, d[0] + d[1], (bf16_hi(sb0) - s0) * sx);
+    acc1 += fmaf(s1, d[2] + d[3], (bf16_hi(sb1) - s1) * sx);
 }
 
 // What the body below needs to know about one kind of product (a "map"): how many 16-row tiles,
@@ -281,28 +335,11 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         LAB_STAMP(1);
 #pragma unroll
         for (int m = 0; m < WPT; ++m) {
-            const int wi = tid + MTC_THREADS * m;
-            float hi[8], lo[8], sum = 0.0f;
+            float x[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float x = pgain ? xv[m][i] * inv : xv[m][i];
-                hi[i] = bf16_to_f32(f32_to_bf16(x));
-                lo[i] = bf16_to_f32(f32_to_bf16(x - hi[i]));
-                sum += hi[i] + lo[i];
-            }
-            // a group is 8 words = 8 consecutive threads
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-            if (wi < words) {
-                const int slot = ((wi >> 4) * 4 + (wi & 3)) * 4 + ((wi >> 2) & 3);
-                // mma 2w: (p0, p4), (p1, p5); mma 2w + 1: (p2, p6), (p3, p7)
-                bfrag[slot * 2 + 0] = make_uint4(pack_bf16(hi[0], hi[4]), pack_bf16(hi[1], hi[5]),
-                                                 pack_bf16(hi[2], hi[6]), pack_bf16(hi[3], hi[7]));
-                bfrag[slot * 2 + 1] = make_uint4(pack_bf16(lo[0], lo[4]), pack_bf16(lo[1], lo[5]),
-                                                 pack_bf16(lo[2], lo[6]), pack_bf16(lo[3], lo[7]));
-                if ((wi & 7) == 0) gsum[wi >> 3] = sum;
-            }
+            for (int i = 0; i < 8; ++i) x[i] = pgain ? xv[m][i] * inv : xv[m][i];
+            const int wi = tid + MTC_THREADS * m;
+            tc_stage_word(wi, wi < words, x, bfrag, gsum);
         }
     }
     __syncthreads();
@@ -320,27 +357,9 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         float acc0 = 0.0f, acc1 = 0.0f; // rows g, g + 8 (meaningful in lanes c = 0, 1)
 #pragma unroll
         for (int ch = 0; ch < CW; ++ch) {
-            const int kc = warp * CW + ch;
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            const u32 wg[4] = {cd[ch][0].x, cd[ch][0].y, cd[ch][0].z, cd[ch][0].w};
-            const u32 wg8[4] = {cd[ch][1].x, cd[ch][1].y, cd[ch][1].z, cd[ch][1].w};
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                uint4 bv = make_uint4(0u, 0u, 0u, 0u);
-                if (b_live) bv = bfrag[((kc * 4 + w) * 4 + c) * 2 + (g & 1)];
-                const u32 a0[4] = {q4_pair_one_plus(wg[w], 0), q4_pair_one_plus(wg8[w], 0),
-                                   q4_pair_one_plus(wg[w], 1), q4_pair_one_plus(wg8[w], 1)};
-                mma_bf16(d, a0, bv.x, bv.y);
-                const u32 a1[4] = {q4_pair_one_plus(wg[w], 2), q4_pair_one_plus(wg8[w], 2),
-                                   q4_pair_one_plus(wg[w], 3), q4_pair_one_plus(wg8[w], 3)};
-                mma_bf16(d, a1, bv.z, bv.w);
-            }
-            const float sx = gsum[2 * kc + (c & 1)];
             const bool odd = c & 1; // a select, not a run-time index (that would put pr in local memory)
             const u32 sb0 = odd ? pr[0][2 * ch + 1] : pr[0][2 * ch], sb1 = odd ? pr[1][2 * ch + 1] : pr[1][2 * ch];
-            const float s0 = 16.0f * bf16_lo(sb0), s1 = 16.0f * bf16_lo(sb1);
-            acc0 += fmaf(s0, d[0] + d[1], (bf16_hi(sb0) - s0) * sx);
-            acc1 += fmaf(s1, d[2] + d[3], (bf16_hi(sb1) - s1) * sx);
+            tc_chunk(cd[ch][0], cd[ch][1], sb0, sb1, bfrag, gsum, warp * CW + ch, b_live, g, c, acc0, acc1);
         }
         // lanes c = 0 and 1 hold the two groups of each chunk: their sum is the warp's share
         acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
@@ -393,7 +412,130 @@ MTC_KERNELS(1, MTC_NB_C1)
 MTC_KERNELS(2, MTC_NB_C2)
 MTC_KERNELS(4, MTC_NB_C4)
 
+
+// MoE down + combine + residual (moe.cu's contract, DownParams): h[r] += Σ_slots w_s·down_s[r]·act_s.
+// The slots' rows are one virtual row of Σ I columns (chunk q of it: slot s's chunk kc), and the
+// combine weight goes into B (B = w_s·act_s), so the mma sums the slots too. A block takes one tile of
+// 16 output rows; warp w takes chunks w, w + 8, …; grid ⌈D/16⌉ × 256 threads, dynamic smem
+// 4·Σ I + Σ I/16 bytes.
+struct DownParams {
+    u64 act;
+    MatrixRef experts;
+    MatrixRef shared;
+    u64 topk_ids, topk_w, shared_w;
+    u64 h;
+    int D, I, Is, A, group_size, act_stride, slot_begin, slot_end;
+};
+
+template <int CWMAX>
+__device__ __forceinline__ void tc_down_body(const DownParams& p) {
+    extern __shared__ float4 smem4[];
+    __shared__ int slot_expert[MOE_MAX_A + 1];
+    __shared__ float slot_weight[MOE_MAX_A + 1];
+    __shared__ float red[MTC_WARPS][16];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    const int nslots = p.slot_end - p.slot_begin;
+    const int n_routed = max(0, min(p.slot_end, p.A) - p.slot_begin);
+    const int cr = p.I / 128, cs = p.Is / 128; // chunks of a routed and of the shared slot
+    const int chunks = n_routed * cr + (p.slot_end > p.A ? cs : 0);
+    uint4* bfrag = (uint4*)smem4;                     // [chunks][4 words][4 lanes c][hi, lo]
+    float* gsum = (float*)(bfrag + chunks * 32);       // [2·chunks]
+    // chunk q: its slot (index from slot_begin) and its chunk inside the slot's row
+    auto slot_of = [&](int q, int& s, int& kc) {
+        s = q < n_routed * cr ? q / cr : n_routed;
+        kc = q - s * cr;
+    };
+    for (int s = tid; s < nslots; s += blockDim.x) {
+        const int slot = p.slot_begin + s;
+        slot_expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
+        slot_weight[s] = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
+    }
+    __syncthreads();
+
+    // the slots' activations (from L2), weighted, before any weight load is issued
+    constexpr int WPT = (CWMAX * 8 * 16 + MTC_THREADS - 1) / MTC_THREADS;
+    const int words = chunks * 16;
+    float xv[WPT][8];
+#pragma unroll
+    for (int m = 0; m < WPT; ++m) {
+        const int wi = tid + MTC_THREADS * m;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+        float wgt = 0.0f;
+        if (wi < words) {
+            int s, kc;
+            slot_of(wi >> 4, s, kc);
+            const float4* src = (const float4*)((const float*)p.act + (i64)(p.slot_begin + s) * p.act_stride +
+                                                kc * 128 + (wi & 15) * 8);
+            a = ldcg_f4(src);
+            b = ldcg_f4(src + 1);
+            wgt = slot_weight[s];
+        }
+        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xv[m][i] = v[i] * wgt;
+    }
+    __syncthreads(); // every warp's activations are in: the weight loads go after them
+
+    const int t = blockIdx.x;
+    uint4 cd[CWMAX][2];
+    uint2 pr[CWMAX][2];
+#pragma unroll
+    for (int i = 0; i < CWMAX; ++i) {
+        const int q = warp + MTC_WARPS * i;
+        if (q >= chunks) break;
+        int s, kc;
+        slot_of(q, s, kc);
+        const bool routed = s < n_routed;
+        const MatrixRef& m = routed ? p.experts : p.shared;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = min(16 * t + g + 8 * h, p.D - 1);
+            const i64 row = (routed ? (i64)slot_expert[s] * p.D : 0) + r;
+            cd[i][h] = ldg16_in_order((const u8*)m.data + row * m.row_bytes + kc * 64 + c * 16);
+            pr[i][h] = ldg8_in_order((const u8*)m.params + (row * m.groups_per_row + 2 * kc) * 4);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < WPT; ++m) {
+        const int wi = tid + MTC_THREADS * m;
+        tc_stage_word(wi, wi < words, xv[m], bfrag, gsum);
+    }
+    __syncthreads();
+
+    const bool b_live = g < 4 && (c >> 1) == (g >> 1);
+    float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < CWMAX; ++i) {
+        const int q = warp + MTC_WARPS * i;
+        if (q >= chunks) break;
+        const bool odd = c & 1;
+        tc_chunk(cd[i][0], cd[i][1], odd ? pr[i][0].y : pr[i][0].x, odd ? pr[i][1].y : pr[i][1].x, bfrag, gsum, q,
+                 b_live, g, c, acc0, acc1);
+    }
+    acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+    acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+    if (c == 0) {
+        red[warp][g] = acc0;
+        red[warp][g + 8] = acc1;
+    }
+    __syncthreads();
+    const int r = 16 * t + tid;
+    if (tid < 16 && r < p.D) {
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MTC_WARPS; ++w) v += red[w][tid];
+        ((float*)p.h)[r] = ldcg_f32((const float*)p.h + r) + v;
+    }
+}
+
+// Up to 8·5 = 40 chunks of 128 columns: 9 slots of I = 512 (the real model: 36).
+#define MTC_DOWN_CHUNKS 5
+extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_down_q4(const DownParams p) {
+    tc_down_body<MTC_DOWN_CHUNKS>(p);
+}
+
 LAB_STAMPS_COPY(matvec_tc_lab_stamps)
 
 static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");
 static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
+static_assert(sizeof(DownParams) == 136, "DownParams layout differs from its Rust twin");

@@ -188,6 +188,10 @@ fn gate_up_launch(
     )
 }
 
+/// Chunks of 128 columns the tensor-core down kernel takes (kernels/matvec_tc.cu: 8 warps ×
+/// MTC_DOWN_CHUNKS).
+const TC_DOWN_CHUNKS: usize = 40;
+
 fn down_launch(
     gpu: &Gpu,
     io: &MoeIo,
@@ -195,6 +199,7 @@ fn down_launch(
     shared: Option<(&DevMatrix, DPtr)>,
     a: usize,
     slots: (usize, usize),
+    engine: DotEngine,
 ) -> Result<Launch> {
     let m = routed.map(|r| r.0).or(shared.map(|s| s.0)).expect("a slot");
     ensure!(
@@ -220,6 +225,31 @@ fn down_launch(
         slot_begin: slots.0 as i32,
         slot_end: slots.1 as i32,
     };
+    // kernels/matvec_tc.cu: the slots' rows as one virtual row of chunks of 128 columns, at most
+    // TC_DOWN_CHUNKS of them (9 slots of 512 in the real model: 36)
+    let q4_tc = |m: &DevMatrix| {
+        m.format == Format::Q4 && m.group_size == 64 && !m.param_f32 && m.cols.is_multiple_of(128)
+    };
+    let n_routed = a.min(slots.1).saturating_sub(slots.0);
+    let chunks = routed.map(|r| n_routed * r.0.cols / 128).unwrap_or(0)
+        + shared
+            .filter(|_| slots.1 > a)
+            .map(|s| s.0.cols / 128)
+            .unwrap_or(0);
+    if engine == DotEngine::TensorCores
+        && routed.is_none_or(|r| q4_tc(r.0))
+        && shared.is_none_or(|s| q4_tc(s.0))
+        && chunks <= TC_DOWN_CHUNKS
+    {
+        return Launch::new(
+            gpu,
+            "matvec_tc_down_q4",
+            (d.div_ceil(16) as u32, 1, 1),
+            THREADS,
+            (chunks * (512 + 8)) as u32, // B registers + Σ per group
+            &p,
+        );
+    }
     // a warp takes DOWN_ROWS output rows; shared memory holds the slots' activations (padded) and
     // their sums per 16-byte unit
     let rows_per_block = THREADS as usize / 32 * DOWN_ROWS;
@@ -351,10 +381,19 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
                 Some((sdn, io.shared_w)),
                 a,
                 (0, a + 1),
+                engine,
             )?);
         }
         (Some((_, sdn)), _) => {
-            launches.push(down_launch(gpu, io, Some((w.down, d)), None, a, (0, a))?);
+            launches.push(down_launch(
+                gpu,
+                io,
+                Some((w.down, d)),
+                None,
+                a,
+                (0, a),
+                engine,
+            )?);
             launches.push(down_launch(
                 gpu,
                 io,
@@ -362,9 +401,18 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
                 Some((sdn, io.shared_w)),
                 a,
                 (a, a + 1),
+                engine,
             )?);
         }
-        (None, _) => launches.push(down_launch(gpu, io, Some((w.down, d)), None, a, (0, a))?),
+        (None, _) => launches.push(down_launch(
+            gpu,
+            io,
+            Some((w.down, d)),
+            None,
+            a,
+            (0, a),
+            engine,
+        )?),
     }
     Ok(launches)
 }
@@ -387,7 +435,15 @@ pub fn dense_mlp(
             (0, 1),
             DotEngine::default_for_run(),
         )?,
-        down_launch(gpu, io, None, Some((down, io.one)), 0, (0, 1))?,
+        down_launch(
+            gpu,
+            io,
+            None,
+            Some((down, io.one)),
+            0,
+            (0, 1),
+            DotEngine::default_for_run(),
+        )?,
     ])
 }
 
