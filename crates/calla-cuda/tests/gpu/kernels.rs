@@ -1199,6 +1199,12 @@ fn moe_and_mlp_against_cpu() {
     let dense = tiny_spec(Family::Qwen35Dense);
     let w = random_weights(&dense, None, 73);
     all &= ffn_case("dense SwiGLU MLP f32", &dense, &w, 1e-4);
+    // q4 at widths the tensor-core gate/up (with the fused norm) and down (one slot, weight 1) take
+    let mut dense_q4 = tiny_spec(Family::Qwen35Dense);
+    dense_q4.hidden_size = 1024;
+    dense_q4.feed_forward = calla_model::FeedForwardSpec::Dense { intermediate: 384 };
+    let w = random_weights(&dense_q4, Some(Quant::Q4), 74);
+    all &= ffn_case("dense SwiGLU MLP q4 (D 1024, I 384)", &dense_q4, &w, 1e-4);
     let (real, w) = real_two_layers();
     all &= ffn_case("moe q4 (real dims, 256 experts)", real, w, 2e-4);
     // the same on the CUDA-core kernels (the tensor-core gate/up is the default where it applies)
