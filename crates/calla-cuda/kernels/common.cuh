@@ -632,6 +632,54 @@ struct Cursor {
     int token;      // the token being processed
 };
 
+// ---------------------------------------------------------------- decode launch parameters
+// Shared by two kernel families each (the CUDA-core kernels and kernels/matvec_tc.cu); the Rust twins
+// live in matvec.rs and moe.rs.
+#define MAX_SEGMENTS 4
+#define MOE_MAX_A 32
+
+struct MatvecSegment {
+    MatrixRef m;
+    u64 out;
+    int rows;
+    int pad;
+};
+
+// matvec: y_seg (+)= W_seg·x̂ for up to 4 stacked segments that share the input
+struct MatvecParams {
+    u64 x;         // [K] f32
+    u64 norm_gain; // [K] f32 or 0
+    MatvecSegment seg[MAX_SEGMENTS];
+    int K;
+    int nseg;
+    int group_size;
+    float eps;
+    int accumulate; // 1: y += W·x (residual add)
+    int total_rows;
+};
+
+// MoE gate/up: act[slot] = silu(gate·x̂)·(up·x̂) for the routed slots and the shared one
+struct GateUpParams {
+    u64 x;             // [D] x̂ (or h when norm_gain is set)
+    u64 norm_gain;     // [D] or 0: normalise x in the prologue (dense MLP path)
+    MatrixRef experts; // [E·2I, D]: expert e's gate rows at e·2I, up rows at e·2I + I
+    MatrixRef shared;  // [2Is, D]: gate rows then up rows
+    u64 topk_ids;      // [A]
+    u64 act;           // out [slots, act_stride]
+    int D, I, Is, A, group_size, act_stride, slot_offset;
+    float eps;
+};
+
+// MoE down: h += Σ_slots w·down·act
+struct DownParams {
+    u64 act;           // [slots, act_stride]
+    MatrixRef experts; // [E·D, I]: expert e's rows at e·D
+    MatrixRef shared;  // [D, Is]
+    u64 topk_ids, topk_w, shared_w;
+    u64 h;             // [D] in/out
+    int D, I, Is, A, group_size, act_stride, slot_begin, slot_end;
+};
+
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(MatrixRef) == 32, "MatrixRef layout differs from its Rust twin");
 static_assert(sizeof(Cursor) == 16, "Cursor layout differs from its Rust twin");

@@ -19,26 +19,7 @@
 // Bytes per call: Σ_seg rows·K·bits/8 (+ group params) of weights, K·4 of x per block (from L2).
 
 #define MATVEC_THREADS 256
-#define MAX_SEGMENTS 4
-
-struct MatvecSegment {
-    MatrixRef m;
-    u64 out;
-    int rows;
-    int pad;
-};
-
-struct MatvecParams {
-    u64 x;         // [K] f32
-    u64 norm_gain; // [K] f32 or 0
-    MatvecSegment seg[MAX_SEGMENTS];
-    int K;
-    int nseg;
-    int group_size;
-    float eps;
-    int accumulate; // 1: y += W·x (residual add)
-    int total_rows;
-};
+// MatvecParams (the launch parameters, shared with matvec_tc.cu): common.cuh.
 
 // How many passes ahead a block asks L2 for its rows (CALLA_NVRTC_DEFINES=MATVEC_PREFETCH_PASSES=n
 // to measure; 0 = none).

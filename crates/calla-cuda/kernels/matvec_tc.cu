@@ -45,39 +45,7 @@
 
 #define MTC_THREADS 256
 #define MTC_WARPS 8
-#define MAX_SEGMENTS 4
 
-// Same layout as matvec.cu's MatvecParams (one Rust twin: matvec.rs).
-struct MatvecSegment {
-    MatrixRef m;
-    u64 out;
-    int rows;
-    int pad;
-};
-struct MatvecParams {
-    u64 x;
-    u64 norm_gain;
-    MatvecSegment seg[MAX_SEGMENTS];
-    int K;
-    int nseg;
-    int group_size;
-    float eps;
-    int accumulate;
-    int total_rows;
-};
-
-// Same layout as moe.cu's GateUpParams (one Rust twin: moe.rs).
-#define MOE_MAX_A 32
-struct GateUpParams {
-    u64 x;
-    u64 norm_gain;
-    MatrixRef experts;
-    MatrixRef shared;
-    u64 topk_ids;
-    u64 act;
-    int D, I, Is, A, group_size, act_stride, slot_offset;
-    float eps;
-};
 
 // The bf16 pair (1 + q_p/16, 1 + q_{p+4}/16) of nibbles p and p + 4 of `word` (p = 0..3).
 __device__ __forceinline__ u32 q4_pair_one_plus(u32 word, int p) {
@@ -418,14 +386,6 @@ MTC_KERNELS(4, MTC_NB_C4)
 // combine weight goes into B (B = w_s·act_s), so the mma sums the slots too. A block takes one tile of
 // 16 output rows; warp w takes chunks w, w + 8, …; grid ⌈D/16⌉ × 256 threads, dynamic smem
 // 4·Σ I + Σ I/16 bytes.
-struct DownParams {
-    u64 act;
-    MatrixRef experts;
-    MatrixRef shared;
-    u64 topk_ids, topk_w, shared_w;
-    u64 h;
-    int D, I, Is, A, group_size, act_stride, slot_begin, slot_end;
-};
 
 template <int CWMAX>
 __device__ __forceinline__ void tc_down_body(const DownParams& p) {

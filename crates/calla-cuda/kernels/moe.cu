@@ -24,7 +24,6 @@
 
 #define MOE_THREADS 256
 #define MOE_MAX_E 1024
-#define MOE_MAX_A 32
 #define ROUTER_ROWS 2 // router rows per lane group
 
 struct RouterParams {
@@ -186,16 +185,7 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     if (threadIdx.x == 0) *(u32*)p.counter = 0u;
 }
 
-struct GateUpParams {
-    u64 x;             // [D] x̂ (or h when norm_gain is set)
-    u64 norm_gain;     // [D] or 0: normalise x in the prologue (dense MLP path)
-    MatrixRef experts; // [E·2I, D]: expert e's gate rows at e·2I, up rows at e·2I + I
-    MatrixRef shared;  // [2Is, D]: gate rows then up rows
-    u64 topk_ids;      // [A]
-    u64 act;           // out [slots, act_stride]
-    int D, I, Is, A, group_size, act_stride, slot_offset;
-    float eps;
-};
+// GateUpParams (shared with matvec_tc.cu): common.cuh.
 
 // One lane group's rows j0, j0 + 1 of a gate/up matrix (gate rows at row0, up rows at row0 + n):
 // act[j] = silu(gate_j)·up_j. Every lane of the warp must call it (group_sum), j0 past n or not.
@@ -238,14 +228,7 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
                           F::AFFINE ? p.group_size / F::W : 1, (float*)p.act + (i64)slot * p.act_stride);
 }
 
-struct DownParams {
-    u64 act;           // [slots, act_stride]
-    MatrixRef experts; // [E·D, I]: expert e's rows at e·D
-    MatrixRef shared;  // [D, Is]
-    u64 topk_ids, topk_w, shared_w;
-    u64 h;             // [D] in/out
-    int D, I, Is, A, group_size, act_stride, slot_begin, slot_end;
-};
+// DownParams (shared with matvec_tc.cu): common.cuh.
 
 #define DOWN_ROWS 2 // output rows per warp
 #define DOWN_UNITS 5 // units per row in flight per lane: 9 slots × 16 q4 units fit one pass of 32 lanes
