@@ -19,6 +19,8 @@ def src(rev, name):
     mma = re.findall(r'(?:prefill|mma)_kernel_source!\("(\w+)"\)', show(rev, 'src/kernels.rs'))
     s = show(rev, 'kernels/common.cuh') + '\n'
     if name in mma: s += show(rev, 'kernels/mma.cuh') + '\n'
+    if name == 'decode_layer':  # kernels.rs: the decode kernels' sources first, for their device functions
+        s += '#define PHASES_ONLY\n' + ''.join(show(rev, f'kernels/{p}.cu') + '\n' for p in ('matvec', 'deltanet', 'moe'))
     return s + show(rev, f'kernels/{name}.cu')
 def cubin(text,name):
     prog=ctypes.c_void_p()
