@@ -222,6 +222,10 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     const u64 px = map.x(), pgain = map.norm_gain();
     LAB_ON(1);
     LAB_STAMP(0);
+    // Programmatic dependent launch (graph.rs, CALLA_PDL=1): the next kernel may start launching now,
+    // and nothing a predecessor writes is read before the wait; no-ops in an ordinary launch.
+    griddep_launch_dependents();
+    griddep_wait();
     map.prologue();
 
     // x and its norm gain first (from L2): the weight loads are issued only once they have arrived.
@@ -396,6 +400,8 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     const int nslots = p.slot_end - p.slot_begin;
     const int n_routed = max(0, min(p.slot_end, p.A) - p.slot_begin);
+    griddep_launch_dependents(); // programmatic dependent launch (CALLA_PDL=1); no-ops otherwise
+    griddep_wait();
     const int cr = p.I / 128, cs = p.Is / 128; // chunks of a routed and of the shared slot
     const int chunks = n_routed * cr + (p.slot_end > p.A ? cs : 0);
     uint4* bfrag = (uint4*)smem4;                     // [chunks][4 words][4 lanes c][hi, lo]
