@@ -13,7 +13,7 @@
 // moe_router_*:  grid ⌈E/(rows per block)⌉ (+1 block for the shared-expert gate row) × 256 threads,
 //                2 router rows per lane group; each block normalises h itself (D·4 bytes from L2).
 //                The last block to finish (atomic ticket) does softmax + top-A with all its threads
-//                (select_experts) and resets the ticket: no host round trip.
+//                (route) and resets the ticket: no host round trip.
 // moe_gate_up_*: grid (⌈n/(2·groups)⌉, slots), 256 threads; a lane group takes rows j, j+1 of one
 //                slot: gate_j, gate_j+1, up_j, up_j+1 in one rows_dot (R = 4), then
 //                act[slot, j] = silu(gate_j)·up_j. Expert ids are read from the device top-A list.
@@ -41,32 +41,25 @@ struct RouterParams {
     float eps;
 };
 
-// Softmax + top-A of the router logits with all of a block's threads: each logit's rank = how many
-// logits beat it (ties: the lower id wins); ranks < A are the top-A in order, each written by the one
-// thread that owns it. The rank loop reads the logits as
-// float4 broadcasts with the compares unrolled (the first version, one dependent shared load per
-// compare, cost ~10 µs per launch in every gate/up block; one warp doing A rounds of argmax ~7 µs). A NaN logit is never
-// selected. `lv` holds this thread's logits e = threadIdx.x + i·blockDim.x. Ends with a barrier.
-//   sel_id[k], sel_p[k] = the k-th expert and its softmax probability.
+// Top-A of the router logits with all of a block's threads: each logit's rank = how many logits beat
+// it (ties: the lower id wins); ranks < A are the top-A in order, each written by the one thread that
+// owns it. The rank loop reads the logits as float4 broadcasts with the compares unrolled (the first
+// version, one dependent shared load per compare, cost ~10 µs per launch in every gate/up block; one
+// warp doing A rounds of argmax ~7 µs). A NaN logit is never selected. `lv` holds this thread's
+// logits e = threadIdx.x + i·blockDim.x; they go to sl4 (padded with −∞ at ids ≥ E, which lose
+// every tie). Ends with a barrier.
+//   sel_id[k], sel_l[k] = the k-th expert and its logit.
 #define SEL_PER_THREAD (MOE_MAX_E / MOE_THREADS)
-__device__ __forceinline__ void select_experts(const float (&lv)[SEL_PER_THREAD], int E, int A, float4* sl4,
-                                               int* sel_id, float* sel_p, float* red) {
+__device__ __forceinline__ void select_ranks(const float (&lv)[SEL_PER_THREAD], int E, int A, float4* sl4,
+                                             int* sel_id, float* sel_l) {
     float* sl = (float*)sl4;
-    const int E4 = (E + 3) & ~3; // padded with −∞ at ids ≥ E: they lose every tie
-    float mx = NEG_INF;
+    const int E4 = (E + 3) & ~3;
 #pragma unroll
     for (int i = 0; i < SEL_PER_THREAD; ++i) {
         const int e = threadIdx.x + i * blockDim.x;
-        if (e < E4) {
-            const float v = e < E && lv[i] == lv[i] ? lv[i] : NEG_INF;
-            sl[e] = v;
-            mx = fmaxf(mx, v);
-        }
+        if (e < E4) sl[e] = e < E && lv[i] == lv[i] ? lv[i] : NEG_INF;
     }
-    mx = block_max(mx, red); // its barriers make sl visible to the block
-    float z = 0.0f;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) z += expf(sl[e] - mx);
-    z = block_sum(z, red);
+    __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         const float v = sl[e];
         int r0 = 0, r1 = 0, r2 = 0, r3 = 0;
@@ -82,15 +75,20 @@ __device__ __forceinline__ void select_experts(const float (&lv)[SEL_PER_THREAD]
         const int rank = r0 + r1 + r2 + r3;
         if (rank < A) {
             sel_id[rank] = e;
-            sel_p[rank] = expf(v - mx) / z; // softmax probability of the selected expert
+            sel_l[rank] = v;
         }
     }
     __syncthreads();
 }
 
-// Softmax + top-A over the logits written by router_rows (read back through L2), into sel_id/sel_p;
-// with `publish`, thread 0 also writes the normalised top-A list and the shared-expert weight for
+// Softmax + top-A over the logits written by router_rows (read back through L2), into sel_id/sel_p
+// (the combine weights); with `publish`, warp 0 also writes them and the shared-expert weight for
 // moe_down. Ends with a barrier.
+//   norm_topk: w_k = p_k / Σ_sel p = exp(l_k − l_top) / Σ_sel exp(l_j − l_top): the softmax's
+//   normaliser cancels, so beyond the ranks only the A selected logits are needed (one warp). Before,
+//   a block max, a block sum of E exponentials and a serial renormalisation took ~1.5 µs of the
+//   router's 3.4 µs of selection (measured by removing the selection, docs/performance.md).
+//   otherwise: w_k = p_k = exp(l_k − max) / Σ_e exp(l_e − max) over all E.
 __device__ __forceinline__ void route(const RouterParams& p, float4* sl4, int* sel_id, float* sel_p, float* red,
                                       bool publish) {
     const volatile float* logits = (const volatile float*)p.logits;
@@ -100,25 +98,38 @@ __device__ __forceinline__ void route(const RouterParams& p, float4* sl4, int* s
         const int e = threadIdx.x + i * blockDim.x;
         lv[i] = e < p.E ? logits[e] : NEG_INF;
     }
-    select_experts(lv, p.E, p.A, sl4, sel_id, sel_p, red);
-    if (p.norm_topk) { // sel_p becomes the combine weight, the same in every block that routes
-        __shared__ float sel_sum;
-        if (threadIdx.x == 0) {
-            float sum = 0.0f;
-            for (int k = 0; k < p.A; ++k) sum += sel_p[k];
-            sel_sum = sum;
+    // the shared-expert gate's logit, requested with the others rather than after the selection
+    const float gate_logit = p.shared_gate && threadIdx.x == 0 ? logits[p.E] : 0.0f;
+    select_ranks(lv, p.E, p.A, sl4, sel_id, sel_p); // sel_p holds the selected logits for now
+    if (p.norm_topk) {
+        if (threadIdx.x < 32) { // A ≤ MOE_MAX_A = 32: one lane per selected expert
+            const int k = threadIdx.x;
+            const float w = k < p.A ? expf(sel_p[k] - sel_p[0]) : 0.0f;
+            const float sum = warp_sum(w);
+            if (k < p.A) sel_p[k] = w / sum;
         }
-        __syncthreads();
-        if (threadIdx.x < p.A) sel_p[threadIdx.x] = sel_p[threadIdx.x] / sel_sum;
-        __syncthreads();
+    } else {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < SEL_PER_THREAD; ++i)
+            if (lv[i] == lv[i]) mx = fmaxf(mx, lv[i]); // NaN never selected, never the max
+        mx = block_max(mx, red);
+        float z = 0.0f;
+#pragma unroll
+        for (int i = 0; i < SEL_PER_THREAD; ++i)
+            if (threadIdx.x + i * blockDim.x < p.E && lv[i] == lv[i]) z += expf(lv[i] - mx);
+        z = block_sum(z, red);
+        if (threadIdx.x < p.A) sel_p[threadIdx.x] = expf(sel_p[threadIdx.x] - mx) / z;
     }
-    if (publish && threadIdx.x == 0) {
-        for (int k = 0; k < p.A; ++k) {
+    __syncwarp();
+    if (publish && threadIdx.x < 32) {
+        for (int k = threadIdx.x; k < p.A; k += 32) {
             ((int*)p.topk_ids)[k] = sel_id[k];
             ((float*)p.topk_w)[k] = sel_p[k];
         }
-        *(float*)p.shared_w = p.shared_gate ? sigmoid_f(logits[p.E]) : 1.0f;
+        if (threadIdx.x == 0) *(float*)p.shared_w = p.shared_gate ? sigmoid_f(gate_logit) : 1.0f;
     }
+    __syncthreads();
 }
 
 // Router rows [item·rows_per_block, …) of this block's lane groups into logits (or, for the gate block,
@@ -168,7 +179,9 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
     if (blockIdx.x == 0)
         for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
+#if !defined(ROUTER_LAB_NO_ROWS) // lab: what the router rows cost (wrong results)
     router_rows<FMT>(p, xs, usum, blockIdx.x, gate_block);
+#endif
     // The last block to finish selects (one block of 256 threads: ~1 µs; done in every gate/up block
     // instead it cost ~7 µs per launch, measured).
     __shared__ int is_last;
@@ -181,7 +194,9 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     __shared__ float4 sl4[MOE_MAX_E / 4];
     __shared__ int sel_id[MOE_MAX_A];
     __shared__ float sel_p[MOE_MAX_A];
+#if !defined(ROUTER_LAB_NO_SELECT) // lab: what the selection costs (wrong results)
     route(p, sl4, sel_id, sel_p, red, true);
+#endif
     if (threadIdx.x == 0) *(u32*)p.counter = 0u;
 }
 
