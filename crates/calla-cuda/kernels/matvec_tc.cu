@@ -14,8 +14,10 @@
 // Measured on the real in-projection (12,352 × 2048, 14.2 MB; tests/gpu/stream_floor.rs): 14.8 µs,
 // of which ~5 µs arithmetic, against 4.4 µs for a kernel that only streams the same bytes
 // (docs/performance.md, "Session 5"). Here the products are mma.sync m16n8k16 (~1 instruction per
-// weight, the dequantisation), and each warp keeps the loads of its next NB tiles in flight from
-// the start — issued before the x̂ prologue, so DRAM latency overlaps it.
+// weight, the dequantisation), and each warp issues the loads of its first NB tiles at once (and
+// refills a tile's registers as soon as it is done), right after x has arrived and Σx² is reduced:
+// issued before x, they made x's L2 requests wait ~4 µs behind ~100 KB of weight requests per SM
+// (measured with per-warp stamps).
 //
 // Math (CPU reference: calla_cpu::linear::Linear::matvec on x̂; as matvec.cu):
 //   y[r] = Σ_groups s·Σ_k q·x̂ + b·Σ_k x̂
@@ -45,7 +47,6 @@
 
 #define MTC_THREADS 256
 #define MTC_WARPS 8
-
 
 // The bf16 pair (1 + q_p/16, 1 + q_{p+4}/16) of nibbles p and p + 4 of `word` (p = 0..3).
 __device__ __forceinline__ u32 q4_pair_one_plus(u32 word, int p) {
