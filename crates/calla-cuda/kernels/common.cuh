@@ -414,56 +414,6 @@ __device__ __forceinline__ void prefetch_rows(const MatrixRef& m, i64 row0, int 
     }
 }
 
-// One pass of rows_dot, in two halves: the loads of units u0, u0 + width, … (U of them) of R rows
-// (rows_load), and their dot products with x accumulated into acc (rows_compute). A caller with one
-// pass per lane group (units ≤ U·width) can issue the loads before it stages x (the router).
-template <int FMT, int R, int U>
-__device__ __forceinline__ void rows_load(const RowPtr (&rows)[R], int u0, int units, int width,
-                                          int units_per_group, uint4 (&w)[U][R], float2 (&sb)[U][R]) {
-    typedef Fmt<FMT> F;
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-        const int u = u0 + k * width;
-        if (u < units) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-#if defined(LAB_NO_LOADS) // lab: codes made from the address, no weight traffic
-                const u32 fake = (u32)(size_t)(rows[r].data + (i64)u * 16);
-                w[k][r] = make_uint4(fake, fake * 3u, fake * 5u, fake * 7u);
-#else
-                w[k][r] = ldg16(rows[r].data + (i64)u * 16);
-#endif
-                if (F::AFFINE) sb[k][r] = row_group_params(rows[r], u / units_per_group);
-            }
-        }
-    }
-}
-template <int FMT, int R, int U>
-__device__ __forceinline__ void rows_compute(const uint4 (&w)[U][R], const float2 (&sb)[U][R], int u0, int units,
-                                             int width, const float* x, const float* usum, float (&acc)[R]) {
-    typedef Fmt<FMT> F;
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-        const int u = u0 + k * width;
-        if (u < units) {
-            float q[R];
-#if defined(LAB_NO_COMPUTE) // lab: the loads stay live, the arithmetic is one op per unit
-#pragma unroll
-            for (int r = 0; r < R; ++r) q[r] = __uint_as_float((w[k][r].x ^ w[k][r].y ^ w[k][r].z ^ w[k][r].w) & 0x3fffffffu);
-#else
-            UnitDot<FMT, R>::run(w[k], x + xpad(u * F::W), q);
-#endif
-            if (FMT == FMT_Q4) { // UnitDot<Q4> returned Σ (16 + q)·x
-#pragma unroll
-                for (int r = 0; r < R; ++r) q[r] = fmaf(-Q4_OFFSET, usum[u], q[r]);
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                acc[r] += F::AFFINE ? fmaf(sb[k][r].x, q[r], sb[k][r].y * usum[u]) : q[r];
-        }
-    }
-}
-
 // Partial dot products of R rows with x (shared memory, padded layout xpad) over the units lane,
 // lane + width, …; the caller reduces over its `width` lanes. U units per row are loaded before any
 // is used, so R·U 16-byte loads per lane are in flight at once. `usum` [units] holds Σx over each
@@ -471,15 +421,50 @@ __device__ __forceinline__ void rows_compute(const uint4 (&w)[U][R], const float
 template <int FMT, int R, int U>
 __device__ __forceinline__ void rows_dot(const RowPtr (&rows)[R], const float* x, const float* usum, int units,
                                          int lane, int width, int units_per_group, float (&acc)[R]) {
+    typedef Fmt<FMT> F;
     for (int u0 = lane; u0 < units; u0 += U * width) {
         uint4 w[U][R];
         float2 sb[U][R];
-        rows_load<FMT, R, U>(rows, u0, units, width, units_per_group, w, sb);
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int u = u0 + k * width;
+            if (u < units) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+#if defined(LAB_NO_LOADS) // lab: codes made from the address, no weight traffic
+                    const u32 fake = (u32)(size_t)(rows[r].data + (i64)u * 16);
+                    w[k][r] = make_uint4(fake, fake * 3u, fake * 5u, fake * 7u);
+#else
+                    w[k][r] = ldg16(rows[r].data + (i64)u * 16);
+#endif
+                    if (F::AFFINE) sb[k][r] = row_group_params(rows[r], u / units_per_group);
+                }
+            }
+        }
         if (u0 == lane) { // lab: the first pass's first load has arrived
             LAB_AFTER(w[0][0].x);
             LAB_STAMP(2);
         }
-        rows_compute<FMT, R, U>(w, sb, u0, units, width, x, usum, acc);
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int u = u0 + k * width;
+            if (u < units) {
+                float q[R];
+#if defined(LAB_NO_COMPUTE) // lab: the loads stay live, the arithmetic is one op per unit
+#pragma unroll
+                for (int r = 0; r < R; ++r) q[r] = __uint_as_float((w[k][r].x ^ w[k][r].y ^ w[k][r].z ^ w[k][r].w) & 0x3fffffffu);
+#else
+                UnitDot<FMT, R>::run(w[k], x + xpad(u * F::W), q);
+#endif
+                if (FMT == FMT_Q4) { // UnitDot<Q4> returned Σ (16 + q)·x
+#pragma unroll
+                    for (int r = 0; r < R; ++r) q[r] = fmaf(-Q4_OFFSET, usum[u], q[r]);
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    acc[r] += F::AFFINE ? fmaf(sb[k][r].x, q[r], sb[k][r].y * usum[u]) : q[r];
+            }
+        }
     }
 }
 
