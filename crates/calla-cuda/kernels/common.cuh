@@ -658,6 +658,17 @@ struct MatvecParams {
     int total_rows;
 };
 
+// Row `row` of the stacked segments: its segment and the row inside it.
+__device__ __forceinline__ void matvec_locate(const MatvecParams& p, int row, int& seg, int& local) {
+    int r = row, s = 0;
+    while (s < p.nseg - 1 && r >= p.seg[s].rows) {
+        r -= p.seg[s].rows;
+        ++s;
+    }
+    seg = s;
+    local = r;
+}
+
 // MoE gate/up: act[slot] = silu(gate·x̂)·(up·x̂) for the routed slots and the shared one
 struct GateUpParams {
     u64 x;             // [D] x̂ (or h when norm_gain is set)

@@ -58,14 +58,9 @@ __device__ __forceinline__ void matvec_rows(const MatvecParams& p, const float* 
         int seg_of[R], local[R];
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-            int r = min(base + group * R + i, p.total_rows - 1), s = 0; // past the end: re-read the last row
-            while (s < p.nseg - 1 && r >= p.seg[s].rows) {
-                r -= p.seg[s].rows;
-                ++s;
-            }
-            seg_of[i] = s;
-            local[i] = r;
-            rows[i] = row_ptr(p.seg[s].m, r);
+            // past the end: re-read the last row
+            matvec_locate(p, min(base + group * R + i, p.total_rows - 1), seg_of[i], local[i]);
+            rows[i] = row_ptr(p.seg[seg_of[i]].m, local[i]);
         }
         float acc[R];
 #pragma unroll

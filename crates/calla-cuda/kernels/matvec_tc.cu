@@ -134,19 +134,9 @@ struct MatvecMap {
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.K; }
     __device__ void prologue() const {}
-    // Row `row` of the stacked segments: its segment and the row inside it.
-    __device__ void locate(int row, int& seg, int& local) const {
-        int r = row, s = 0;
-        while (s < p.nseg - 1 && r >= p.seg[s].rows) {
-            r -= p.seg[s].rows;
-            ++s;
-        }
-        seg = s;
-        local = r;
-    }
     __device__ void row(int t, int r, const u8*& data, const u8*& prm) const {
         int seg, local;
-        locate(min(16 * t + r, p.total_rows - 1), seg, local); // past the end: the last row again
+        matvec_locate(p, min(16 * t + r, p.total_rows - 1), seg, local); // past the end: the last row again
         const MatrixRef& m = p.seg[seg].m;
         data = (const u8*)m.data + (i64)local * m.row_bytes;
         prm = (const u8*)m.params + (i64)local * m.groups_per_row * 4;
@@ -157,7 +147,7 @@ struct MatvecMap {
 #pragma unroll
         for (int w = 0; w < MTC_WARPS; ++w) v += red[w][tid];
         int seg, local;
-        locate(16 * t + tid, seg, local);
+        matvec_locate(p, 16 * t + tid, seg, local);
         float* y = (float*)p.seg[seg].out;
         y[local] = p.accumulate ? ldcg_f32(y + local) + v : v;
     }

@@ -151,11 +151,14 @@ impl DotEngine {
     }
 }
 
+/// Whether kernels/matvec_tc.cu reads `m`: q4 codes in groups of 64 with bf16 (scale, bias).
+pub fn tensor_core_format(m: &DevMatrix) -> bool {
+    m.format == Format::Q4 && m.group_size == 64 && !m.param_f32
+}
+
 /// The tensor-core kernel's chunks of 128 columns per warp (K / 1024), when it takes `segments`.
 fn tensor_core_chunks(k: usize, segments: &[&(DevMatrix, DPtr)]) -> Option<usize> {
-    let takes = segments
-        .iter()
-        .all(|(m, _)| m.format == Format::Q4 && m.group_size == 64 && !m.param_f32);
+    let takes = segments.iter().all(|(m, _)| tensor_core_format(m));
     match (takes, k) {
         (true, 1024 | 2048 | 4096) => Some(k / 1024),
         _ => None,

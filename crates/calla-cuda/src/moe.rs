@@ -5,7 +5,7 @@ use anyhow::{ensure, Result};
 
 use crate::gpu::{DPtr, Gpu, Launch};
 use crate::grid_sync::GridSync;
-use crate::matvec::DotEngine;
+use crate::matvec::{tensor_core_format, DotEngine};
 use crate::weights::Format;
 use crate::weights::{DevMatrix, MatrixRef};
 
@@ -152,11 +152,10 @@ fn gate_up_launch(
     };
     let nslots = slots.1 - slots.0;
     let n = i.max(is);
-    let q4_tc = |m: &DevMatrix| m.format == Format::Q4 && m.group_size == 64 && !m.param_f32;
     if engine == DotEngine::TensorCores
         && matches!(d, 1024 | 2048 | 4096)
-        && routed.is_none_or(|r| q4_tc(r.0))
-        && shared.is_none_or(q4_tc)
+        && routed.is_none_or(|r| tensor_core_format(r.0))
+        && shared.is_none_or(tensor_core_format)
     {
         // kernels/matvec_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
         // blocks that fit at once
@@ -227,9 +226,7 @@ fn down_launch(
     };
     // kernels/matvec_tc.cu: the slots' rows as one virtual row of chunks of 128 columns, at most
     // TC_DOWN_CHUNKS of them (9 slots of 512 in the real model: 36)
-    let q4_tc = |m: &DevMatrix| {
-        m.format == Format::Q4 && m.group_size == 64 && !m.param_f32 && m.cols.is_multiple_of(128)
-    };
+    let q4_tc = |m: &DevMatrix| tensor_core_format(m) && m.cols.is_multiple_of(128);
     let n_routed = a.min(slots.1).saturating_sub(slots.0);
     let chunks = routed.map(|r| n_routed * r.0.cols / 128).unwrap_or(0)
         + shared

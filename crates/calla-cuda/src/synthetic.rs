@@ -136,13 +136,7 @@ pub fn synthetic_model(
     }
     let start = Instant::now();
     let before = arena.used;
-    let grid = (gpu.sm_count as u32) * 8;
-    let mut f = Filler {
-        gpu,
-        arena,
-        seed,
-        grid,
-    };
+    let mut f = Filler::new(gpu, arena, seed);
     let d = spec.hidden_size;
     let proj = |cols: usize| 1.0 / (cols as f32).sqrt();
     let router_format = if format == Format::Q4 {
