@@ -582,18 +582,54 @@ fn calla_rng(seed: u64) -> impl FnMut() -> u64 {
     }
 }
 
-/// Lab (kernels built with CALLA_NVRTC_DEFINES=LAB_STAMPS): where the last decode step's last
-/// in-projection and last MoE down kernel spent their time, per warp
-/// from the SM clock (common.cuh `lab_stamp`): kernel entry (0), dot products start (1), first
-/// weight load arrived (2), dot products done (3), reduced and stored (4), kernel end (5, matvec).
-fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
+/// Lab (kernels built with CALLA_NVRTC_DEFINES=LAB_STAMPS): the per-warp intervals between
+/// consecutive stamps (common.cuh `lab_stamp`, SM clock) of the last launch that stamped in the
+/// module whose copy kernel is `kernel`: for stamps i → i + 1, (names[i], median µs, max µs, warps).
+pub fn lab_stamp_intervals(
+    gpu: &Arc<Gpu>,
+    kernel: &str,
+    names: &[&str],
+) -> Result<Vec<(String, f64, f64, usize)>> {
     const BLOCKS: usize = 512;
     const EVENTS: usize = 8;
-    let gpu = be.gpu();
-    let mut out = String::new();
     let mhz = gpu.clock_mhz()?;
     let mut arena = crate::pool::Arena::new(gpu, 1 << 20);
     let buf = arena.alloc_zeroed(BLOCKS * 8 * EVENTS * 8)?;
+    gpu.launch(kernel, (64, 1, 1), 256, 0, &buf.0)?;
+    gpu.sync()?;
+    let mut st = vec![0u64; BLOCKS * 8 * EVENTS];
+    gpu.dtoh(buf, &mut st)?;
+    let mut out = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let mut v: Vec<f64> = (0..BLOCKS * 8)
+            .filter_map(|w| {
+                let (x, y) = (st[w * EVENTS + i], st[w * EVENTS + i + 1]);
+                (x != 0 && y > x && y - x < 1 << 24).then(|| (y - x) as f64 / mhz)
+            })
+            .collect();
+        if v.is_empty() {
+            continue;
+        }
+        v.sort_by(f64::total_cmp);
+        out.push((name.to_string(), v[v.len() / 2], v[v.len() - 1], v.len()));
+    }
+    Ok(out)
+}
+
+/// Lab (LAB_STAMPS): where the last decode step's last in-projection and last MoE down kernel
+/// spent their time, per warp: kernel entry (0), dot products start (1), first weight load
+/// arrived (2), dot products done (3), reduced and stored (4), kernel end (5, matvec).
+fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
+    let gpu = be.gpu();
+    let mhz = gpu.clock_mhz()?;
+    let names = [
+        "entry → dots start (prologue)",
+        "dots start → first load arrived",
+        "first load → dots done",
+        "dots done → stored",
+        "stored → kernel end",
+    ];
+    let mut out = String::new();
     for (kernel, what) in [
         (
             "matvec_lab_stamps",
@@ -601,37 +637,10 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
         ),
         ("moe_lab_stamps", "moe down (last layer)"),
     ] {
-        gpu.launch(kernel, (64, 1, 1), 256, 0, &buf.0)?;
-        gpu.sync()?;
-        let mut st = vec![0u64; BLOCKS * 8 * EVENTS];
-        gpu.dtoh(buf, &mut st)?;
         out +=
             &format!("lab stamps, {what}: µs per warp (SM clock at {mhz:.0} MHz), median / max\n");
-        let names = [
-            "entry → dots start (prologue)",
-            "dots start → first load arrived",
-            "first load → dots done",
-            "dots done → stored",
-            "stored → kernel end",
-        ];
-        for (i, name) in names.iter().enumerate() {
-            let (a, b) = (i, i + 1);
-            let mut v: Vec<f64> = (0..BLOCKS * 8)
-                .filter_map(|w| {
-                    let (x, y) = (st[w * EVENTS + a], st[w * EVENTS + b]);
-                    (x != 0 && y > x && y - x < 1 << 24).then(|| (y - x) as f64 / mhz)
-                })
-                .collect();
-            if v.is_empty() {
-                continue;
-            }
-            v.sort_by(f64::total_cmp);
-            out += &format!(
-                "  {name:<34} {:7.2} {:7.2}  ({} warps)\n",
-                v[v.len() / 2],
-                v[v.len() - 1],
-                v.len()
-            );
+        for (name, median, max, warps) in lab_stamp_intervals(gpu, kernel, &names)? {
+            out += &format!("  {name:<34} {median:7.2} {max:7.2}  ({warps} warps)\n");
         }
     }
     Ok(out)

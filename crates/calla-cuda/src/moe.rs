@@ -112,6 +112,7 @@ pub struct MoeWeightsRef<'a> {
     pub shared_gate: Option<DPtr>,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn gate_up_launch(
     gpu: &Gpu,
     io: &MoeIo,

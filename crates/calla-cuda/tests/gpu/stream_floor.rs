@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use calla_cuda::bench::lab_stamp_intervals;
 use calla_cuda::gpu::{DPtr, Gpu, Launch};
 use calla_cuda::graph::StepGraph;
 use calla_cuda::lab_stream::stream_read;
@@ -170,18 +171,9 @@ fn decode_matvec_against_the_streaming_floor() {
     }
 }
 
-/// Lab (CALLA_NVRTC_DEFINES=LAB_STAMPS): per-warp intervals between matvec_tc's stamps (SM clock),
-/// median and max over the warps of the last launch.
+/// Lab (CALLA_NVRTC_DEFINES=LAB_STAMPS): per-warp intervals between matvec_tc's stamps, median and
+/// max over the warps of the last launch.
 fn print_stamps(gpu: &Arc<Gpu>, kernel: &str, what: &str) {
-    const BLOCKS: usize = 512;
-    const EVENTS: usize = 8;
-    let mut arena = Arena::new(gpu, 1 << 20);
-    let buf = arena.alloc_zeroed(BLOCKS * 8 * EVENTS * 8).unwrap();
-    gpu.launch(kernel, (64, 1, 1), 256, 0, &buf.0).unwrap();
-    gpu.sync().unwrap();
-    let mut st = vec![0u64; BLOCKS * 8 * EVENTS];
-    gpu.dtoh(buf, &mut st).unwrap();
-    let mhz = gpu.clock_mhz().unwrap();
     let names = [
         "entry → x in, weight loads issued",
         "loads issued → prologue done",
@@ -190,22 +182,9 @@ fn print_stamps(gpu: &Arc<Gpu>, kernel: &str, what: &str) {
         "computed → block reduced",
         "reduced → kernel end",
     ];
-    for (i, name) in names.iter().enumerate() {
-        let mut v: Vec<f64> = (0..BLOCKS * 8)
-            .filter_map(|w| {
-                let (x, y) = (st[w * EVENTS + i], st[w * EVENTS + i + 1]);
-                (x != 0 && y > x && y - x < 1 << 24).then(|| (y - x) as f64 / mhz)
-            })
-            .collect();
-        if v.is_empty() {
-            continue;
-        }
-        v.sort_by(f64::total_cmp);
+    for (name, median, max, warps) in lab_stamp_intervals(gpu, kernel, &names).unwrap() {
         println!(
-            "| stamps {what}: {name:<36} | median {:6.2} µs | max {:6.2} µs | {} warps | | INFO |",
-            v[v.len() / 2],
-            v[v.len() - 1],
-            v.len()
+            "| stamps {what}: {name:<36} | median {median:6.2} µs | max {max:6.2} µs | {warps} warps | | INFO |"
         );
     }
 }
