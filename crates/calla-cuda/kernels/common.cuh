@@ -542,6 +542,31 @@ __device__ __forceinline__ void stage_input(const float* src, const float* gain,
     __syncthreads();
 }
 
+// Thread-block clusters (sm_90+): a block's shared memory seen from the other blocks of its cluster
+// (distributed shared memory), and the cluster-wide barrier. Each barrier.cluster phase is an arrive
+// then a wait by every thread of every block (.aligned: the whole warp executes it together).
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// An arrive that orders nothing: for the first phase, which only says "this block has started".
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+// `local` (a __shared__ address of this block) as seen in the cluster block of rank `rank`.
+__device__ __forceinline__ u32 cluster_map(const void* local, u32 rank) {
+    u32 addr, remote;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(addr) : "l"(local));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    return remote;
+}
+__device__ __forceinline__ float cluster_load_f32(const float* local, u32 rank) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_map(local, rank)) : "memory");
+    return v;
+}
+__device__ __forceinline__ void cluster_store_f32(float* local, u32 rank, float v) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_map(local, rank)), "f"(v) : "memory");
+}
+#endif
+
 // Programmatic dependent launch (graph.rs, CALLA_PDL): a kernel launched with it may start while
 // the previous kernel in the stream still runs. griddep_wait() returns once that kernel (and so,
 // transitively, every earlier one) has finished and its writes are visible: call it before reading
@@ -691,6 +716,139 @@ struct DownParams {
     int D, I, Is, A, group_size, act_stride, slot_begin, slot_end;
 };
 
+// ---------------------------------------------------------------- MoE routing (top-A of the router logits)
+// Shared by moe.cu's ticket router (its last block selects) and matvec_tc.cu's gate/up (every block
+// selects for itself, so the router needs no ticket).
+#define MOE_MAX_E 1024
+#define ROUTE_MAX_CAND (MOE_MAX_E / 32 * MOE_MAX_A) // candidates of select_top's second round
+
+// Where a selection goes.
+struct RouteParams {
+    u64 logits;   // [E + 1]: the router logits, then the shared-expert gate's (with shared_gate)
+    u64 topk_ids; // out [A] i32
+    u64 topk_w;   // out [A] f32
+    u64 shared_w; // out [1] f32: sigmoid(shared gate logit), 1 without a gate
+    int E, A, norm_topk, shared_gate;
+};
+
+// Top-A of the router logits sl[0, E) (shared memory, 16-byte aligned, E ≤ MOE_MAX_E, A ≤ MOE_MAX_A)
+// with all of a block's threads, by ranks: a logit's rank is how many logits beat it (ties: the lower
+// id wins); ranks < A are the top-A in order. NaN logits become −∞ (never selected while A finite
+// logits exist); sl is padded with −∞ to a multiple of 32 (ids ≥ E lose every tie).
+// Two rounds, so no thread compares against all E logits: each segment of 32 keeps its local top
+// min(A, 32) as candidates (a top-A logit is beaten by fewer than A logits anywhere, so within its
+// segment too), then a candidate's rank among the candidates is its rank among all E (every logit
+// that beats a top-A logit is itself top-A, so a candidate). The second round gives each candidate 4
+// threads, a quarter of the candidates each, summed by shuffles. At E 256, A 8: 32 + 16 compares per
+// thread, where one round of ranks over all E took 256 (~2 µs of the router's 9, docs/performance.md).
+// cand: shared [SEL_CAND_LEN] (value, id bits) pairs, 16-byte aligned. Ends with a barrier.
+//   sel_id[k], sel_l[k] = the k-th expert and its logit.
+#define SEL_CAND_LEN (ROUTE_MAX_CAND + 8)
+__device__ __forceinline__ int sel_beats(float w, float w_id, float v, int id) {
+    return (w > v) | ((w == v) & (__float_as_int(w_id) < id));
+}
+__device__ __forceinline__ void select_top(float* sl, int E, int A, float2* cand, int* sel_id, float* sel_l) {
+    const int Es = (E + 31) & ~31, keep = min(A, 32);
+    for (int e = threadIdx.x; e < Es; e += blockDim.x) {
+        const float v = e < E ? sl[e] : NEG_INF;
+        sl[e] = v == v ? v : NEG_INF;
+    }
+    const int C = (Es >> 5) * keep, C8 = (C + 7) & ~7; // candidates, padded to a multiple of 8
+    if (threadIdx.x < C8 - C) cand[C + threadIdx.x] = make_float2(NEG_INF, __int_as_float(0x7fffffff)); // beat no one
+    __syncthreads();
+    for (int e = threadIdx.x; e < Es; e += blockDim.x) { // a warp takes whole segments (blockDim % 32 == 0)
+        const float v = sl[e];
+        const int i = e & 31;
+        const float4* seg = (const float4*)(sl + (e & ~31));
+        int r0 = 0, r1 = 0, r2 = 0, r3 = 0;
+#pragma unroll
+        for (int o4 = 0; o4 < 8; ++o4) {
+            const float4 w = seg[o4];
+            const int o = 4 * o4;
+            r0 += (w.x > v) | ((w.x == v) & (o < i));
+            r1 += (w.y > v) | ((w.y == v) & (o + 1 < i));
+            r2 += (w.z > v) | ((w.z == v) & (o + 2 < i));
+            r3 += (w.w > v) | ((w.w == v) & (o + 3 < i));
+        }
+        const int r = r0 + r1 + r2 + r3;
+        if (r < keep) cand[(e >> 5) * keep + r] = make_float2(v, __int_as_float(e));
+    }
+    __syncthreads();
+    const int quarter = C8 / 4; // even: two candidates per 16-byte load
+    for (int c0 = 0; c0 < C; c0 += blockDim.x / 4) { // uniform: every lane reaches the shuffles
+        const int c = c0 + threadIdx.x / 4, part = threadIdx.x & 3;
+        float v = NEG_INF;
+        int id = 0x7fffffff;
+        if (c < C) {
+            const float2 me = cand[c];
+            v = me.x;
+            id = __float_as_int(me.y);
+        }
+        const float4* q = (const float4*)(cand + part * quarter);
+        int r0 = 0, r1 = 0;
+#pragma unroll 4
+        for (int o = 0; o < quarter / 2; ++o) {
+            const float4 w = q[o];
+            r0 += sel_beats(w.x, w.y, v, id);
+            r1 += sel_beats(w.z, w.w, v, id);
+        }
+        int rank = r0 + r1;
+        rank += __shfl_xor_sync(0xffffffffu, rank, 1);
+        rank += __shfl_xor_sync(0xffffffffu, rank, 2);
+        if (part == 0 && c < C && rank < A) {
+            sel_id[rank] = id;
+            sel_l[rank] = v;
+        }
+    }
+    __syncthreads();
+}
+
+// The router logits (written by an earlier kernel, or by other blocks before a ticket: read through
+// L2) into sl [E], and the shared-expert gate's logit (thread 0's return value; requested with the
+// others rather than after the selection). No barrier.
+__device__ __forceinline__ float route_load_logits(const RouteParams& r, float* sl) {
+    const volatile float* logits = (const volatile float*)r.logits;
+    for (int e = threadIdx.x; e < r.E; e += blockDim.x) sl[e] = logits[e];
+    return r.shared_gate && threadIdx.x == 0 ? logits[r.E] : 0.0f;
+}
+
+// Top-A and combine weights from the logits in shared memory sl (select_top's input; the gate logit
+// in thread 0) into sel_id / sel_p, and with `publish` (warp 0) into topk_ids / topk_w / shared_w for
+// the down kernel. cand: shared [SEL_CAND_LEN], 16-byte aligned. Ends with a barrier.
+//   norm_topk: w_k = p_k / Σ_sel p = exp(l_k − l_top) / Σ_sel exp(l_j − l_top): the softmax's
+//   normaliser cancels, so beyond the ranks only the A selected logits are needed (one warp). Before,
+//   a block max, a block sum of E exponentials and a serial renormalisation took ~1.5 µs of the
+//   router's 3.4 µs of selection (measured by removing the selection, docs/performance.md).
+//   otherwise: w_k = p_k = exp(l_k − max) / Σ_e exp(l_e − max) over all E; max = the top logit.
+__device__ __forceinline__ void route_select(const RouteParams& r, float* sl, float gate_logit, int* sel_id,
+                                             float* sel_p, float* red, float2* cand, bool publish) {
+    select_top(sl, r.E, r.A, cand, sel_id, sel_p); // sel_p holds the selected logits for now
+    if (r.norm_topk) {
+        if (threadIdx.x < 32) { // A ≤ MOE_MAX_A = 32: one lane per selected expert
+            const int k = threadIdx.x;
+            const float w = k < r.A ? expf(sel_p[k] - sel_p[0]) : 0.0f;
+            const float sum = warp_sum(w);
+            if (k < r.A) sel_p[k] = w / sum;
+        }
+    } else {
+        const float mx = sel_p[0]; // the top logit
+        float z = 0.0f;
+        for (int e = threadIdx.x; e < r.E; e += blockDim.x) z += expf(sl[e] - mx); // NaN: −∞ by now
+        z = block_sum(z, red);
+        if (threadIdx.x < r.A) sel_p[threadIdx.x] = expf(sel_p[threadIdx.x] - mx) / z;
+    }
+    __syncwarp();
+    if (publish && threadIdx.x < 32) {
+        for (int k = threadIdx.x; k < r.A; k += 32) {
+            ((int*)r.topk_ids)[k] = sel_id[k];
+            ((float*)r.topk_w)[k] = sel_p[k];
+        }
+        if (threadIdx.x == 0) *(float*)r.shared_w = r.shared_gate ? sigmoid_f(gate_logit) : 1.0f;
+    }
+    __syncthreads();
+}
+
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(MatrixRef) == 32, "MatrixRef layout differs from its Rust twin");
+static_assert(sizeof(RouteParams) == 48, "RouteParams layout differs from its Rust twin");
 static_assert(sizeof(Cursor) == 16, "Cursor layout differs from its Rust twin");

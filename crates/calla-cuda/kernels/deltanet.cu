@@ -74,21 +74,6 @@ struct DnConv {
 #define DN_MIN_BLOCKS_SPLIT(KPL) ((KPL) <= 4 ? 3 : 2)
 #define DN_MIN_BLOCKS_SINGLE 2
 
-// ---------------------------------------------------------------- cluster (sm_90+) helpers
-#if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void dn_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void dn_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// `local` (a __shared__ float of this block) as seen in the cluster block of rank `rank`.
-__device__ __forceinline__ float dn_cluster_load(const float* local, u32 rank) {
-    u32 addr, remote;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(addr) : "l"(local));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-#endif
-
 // Two block-wide sums at once (one pair of barriers); every thread gets both. `scratch` ≥ 2·32.
 __device__ __forceinline__ float2 dn_block_sum2(float a, float b, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -299,18 +284,18 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
 #if __CUDA_ARCH__ >= 900
     if (SPLIT > 1) {
         if (tid == 0) sumsq_part = sumsq;
-        dn_cluster_arrive(); // release: sumsq_part visible to the cluster
-        dn_cluster_wait();
+        cluster_arrive(); // release: sumsq_part visible to the cluster
+        cluster_wait();
         sumsq = 0.0f;
 #pragma unroll
-        for (int r = 0; r < SPLIT; ++r) sumsq += dn_cluster_load(&sumsq_part, r); // fixed order
-        dn_cluster_arrive(); // this block is done reading the others' shared memory
+        for (int r = 0; r < SPLIT; ++r) sumsq += cluster_load_f32(&sumsq_part, r); // fixed order
+        cluster_arrive(); // this block is done reading the others' shared memory
     }
 #endif
     const float o_inv = 1.0f / sqrtf(sumsq / (float)p.Dv + p.eps);
     if (tid < n) ((float*)p.y)[(i64)h * p.Dv + j0 + tid] = w_t * (o_t * o_inv) * silu_f(z_t);
 #if __CUDA_ARCH__ >= 900
-    if (SPLIT > 1) dn_cluster_wait(); // keep sumsq_part alive until every block has read it
+    if (SPLIT > 1) cluster_wait(); // keep sumsq_part alive until every block has read it
 #endif
 }
 

@@ -122,8 +122,8 @@ __device__ __forceinline__ void tc_chunk(const uint4& r0, const uint4& r8, u32 s
 // What the body below needs to know about one kind of product (a "map"): how many 16-row tiles,
 // where tile row r's codes and (scale, bias) start, the input vector (and its norm gain, or 0), and
 // what to do with the 16 row sums of a tile (`finish`, threads tid < 16 of the block: red[w][r] is
-// warp w's share of row r). `prologue` runs first in every thread (shared-memory lookups it needs
-// are published by the x barrier).
+// warp w's share of row r). `prologue` runs in every thread once x's loads are issued (what it writes
+// to shared memory is published by the x barrier).
 
 // Plain matvec: y_seg (+)= W_seg·x̂ over up to 4 stacked segments.
 struct MatvecMap {
@@ -156,9 +156,26 @@ struct MatvecMap {
 // MoE gate/up (moe.cu's contract, GateUpParams): slot s (routed experts' ids from topk_ids, then the
 // shared expert) gets act[s, j] = silu(gate_j·x̂)·(up_j·x̂). A tile is gate rows j0..j0+7 (tile rows
 // 0–7) and the up rows j0..j0+7 (rows 8–15) of one slot, so row sums r and r + 8 make act[j0 + r].
+// With r.logits set, each block first takes the top-A of the router logits itself (common.cuh
+// route_select; block 0 also publishes the ids and combine weights for the down kernel), so the router
+// kernel needs no ticket and no last block: its fence, atomic, L2 read-back and serial selection
+// (~3 µs of the router's 8.3 µs, docs/performance.md) become ~TODO µs here, overlapped with x's arrival.
+struct __align__(16) GateUpSelect { // shared memory of the selection (sl read as float4)
+    float sl[MOE_MAX_E];
+    float2 cand[SEL_CAND_LEN]; // 16-byte aligned: sl's size is a multiple of 16 bytes
+    int id[MOE_MAX_A];
+    float w[MOE_MAX_A];
+    float red[32];
+};
+struct TcGateUpParams {
+    GateUpParams g;
+    RouteParams r; // r.logits 0: the slots' experts are in g.topk_ids already
+};
 struct GateUpMap {
     const GateUpParams& p;
     int* expert; // shared [MOE_MAX_A + 1]: the slots' experts
+    const RouteParams& r;
+    GateUpSelect* sel;
     __device__ int n_max() const { return max(p.A > p.slot_offset ? p.I : 0, p.Is); }
     __device__ int per_slot() const { return (n_max() + 7) >> 3; }
     __device__ int slots() const { return (int)gridDim.y; }
@@ -168,9 +185,14 @@ struct GateUpMap {
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.D; }
     __device__ void prologue() const {
+        if (r.logits) {
+            const float gate_logit = route_load_logits(r, sel->sl);
+            route_select(r, sel->sl, gate_logit, sel->id, sel->w, sel->red, sel->cand,
+                         blockIdx.x == 0 && blockIdx.y == 0);
+        }
         for (int s = threadIdx.x; s < slots(); s += blockDim.x) {
             const int slot = s + p.slot_offset;
-            expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
+            expert[s] = slot >= p.A ? 0 : r.logits ? sel->id[slot] : ((const int*)p.topk_ids)[slot];
         }
     }
     __device__ void row(int t, int r, const u8*& data, const u8*& prm) const {
@@ -217,7 +239,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     // and nothing a predecessor writes is read before the wait; no-ops in an ordinary launch.
     griddep_launch_dependents();
     griddep_wait();
-    map.prologue();
 
     // x and its norm gain first (from L2): the weight loads are issued only once they have arrived.
     constexpr int WPT = (CW + 1) / 2; // words of 8 columns per thread
@@ -237,6 +258,8 @@ __device__ __forceinline__ void tc_body(const Map& map) {
             }
         }
     }
+
+    map.prologue(); // while x is on its way (gate/up: the routing)
 
     // The loads of one tile for this lane: codes of rows g, g + 8 in the warp's CW chunks, and the
     // (scale, bias) pairs of the 2·CW groups they span (one 8·CW-byte load per row; lane c uses
@@ -367,9 +390,10 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c##CW(const MatvecParams p) { \
         tc_body<CW, NB>(MatvecMap{p}); \
     } \
-    extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c##CW(const GateUpParams p) { \
+    extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c##CW(const TcGateUpParams p) { \
         __shared__ int expert[MOE_MAX_A + 1]; \
-        tc_body<CW, NB>(GateUpMap{p, expert}); \
+        __shared__ GateUpSelect sel; \
+        tc_body<CW, NB>(GateUpMap{p.g, expert, p.r, &sel}); \
     }
 MTC_KERNELS(1, MTC_NB_C1)
 MTC_KERNELS(2, MTC_NB_C2)
@@ -495,4 +519,5 @@ LAB_STAMPS_COPY(matvec_tc_lab_stamps)
 
 static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");
 static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
+static_assert(sizeof(TcGateUpParams) == 176, "TcGateUpParams layout differs from its Rust twin");
 static_assert(sizeof(DownParams) == 136, "DownParams layout differs from its Rust twin");

@@ -13,7 +13,8 @@
 // moe_router_*:  grid ⌈E/(rows per block)⌉ (+1 block for the shared-expert gate row) × 256 threads,
 //                2 router rows per lane group; each block normalises h itself (D·4 bytes from L2).
 //                The last block to finish (atomic ticket) does softmax + top-A with all its threads
-//                (route) and resets the ticket: no host round trip.
+//                (route) and resets the ticket: no host round trip. Without a ticket (counter 0)
+//                only the logits are left: the tensor-core gate/up selects in every block.
 // moe_gate_up_*: grid (⌈n/(2·groups)⌉, slots), 256 threads; a lane group takes rows j, j+1 of one
 //                slot: gate_j, gate_j+1, up_j, up_j+1 in one rows_dot (R = 4), then
 //                act[slot, j] = silu(gate_j)·up_j. Expert ids are read from the device top-A list.
@@ -23,7 +24,6 @@
 // Bytes per token (real shape, q4): router E·D·(8 bits) + 9·3·I·D·4.5 bits ≈ 15.9 MB per layer.
 
 #define MOE_THREADS 256
-#define MOE_MAX_E 1024
 #define ROUTER_ROWS 2 // router rows per lane group
 
 struct RouterParams {
@@ -36,100 +36,34 @@ struct RouterParams {
     u64 topk_ids;    // out [A] i32
     u64 topk_w;      // out [A] f32
     u64 shared_w;    // out [1] f32: sigmoid(shared gate logit), 1 without a gate
-    u64 counter;     // u32 ticket, 0 between launches
+    u64 counter;     // u32 ticket, 0 between launches; or 0: no selection here (matvec_tc.cu's gate/up selects)
     int D, E, A, norm_topk, group_size;
     float eps;
 };
 
-// Top-A of the router logits with all of a block's threads: each logit's rank = how many logits beat
-// it (ties: the lower id wins); ranks < A are the top-A in order, each written by the one thread that
-// owns it. The rank loop reads the logits as float4 broadcasts with the compares unrolled (the first
-// version, one dependent shared load per compare, cost ~10 µs per launch in every gate/up block; one
-// warp doing A rounds of argmax ~7 µs). A NaN logit is never selected. `lv` holds this thread's
-// logits e = threadIdx.x + i·blockDim.x; they go to sl4 (padded with −∞ at ids ≥ E, which lose
-// every tie). Ends with a barrier.
-//   sel_id[k], sel_l[k] = the k-th expert and its logit.
-#define SEL_PER_THREAD (MOE_MAX_E / MOE_THREADS)
-__device__ __forceinline__ void select_ranks(const float (&lv)[SEL_PER_THREAD], int E, int A, float4* sl4,
-                                             int* sel_id, float* sel_l) {
-    float* sl = (float*)sl4;
-    const int E4 = (E + 3) & ~3;
-#pragma unroll
-    for (int i = 0; i < SEL_PER_THREAD; ++i) {
-        const int e = threadIdx.x + i * blockDim.x;
-        if (e < E4) sl[e] = e < E && lv[i] == lv[i] ? lv[i] : NEG_INF;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const float v = sl[e];
-        int r0 = 0, r1 = 0, r2 = 0, r3 = 0;
-#pragma unroll 8
-        for (int o4 = 0; o4 < E4 / 4; ++o4) {
-            const float4 w = sl4[o4];
-            const int o = 4 * o4;
-            r0 += (w.x > v) | ((w.x == v) & (o < e));
-            r1 += (w.y > v) | ((w.y == v) & (o + 1 < e));
-            r2 += (w.z > v) | ((w.z == v) & (o + 2 < e));
-            r3 += (w.w > v) | ((w.w == v) & (o + 3 < e));
-        }
-        const int rank = r0 + r1 + r2 + r3;
-        if (rank < A) {
-            sel_id[rank] = e;
-            sel_l[rank] = v;
-        }
-    }
-    __syncthreads();
+// Where the router's selection goes (the ticket kernel's last block, or every block of the
+// tensor-core gate/up: common.cuh route_select).
+__device__ __forceinline__ RouteParams route_of(const RouterParams& p) {
+    RouteParams r;
+    r.logits = p.logits;
+    r.topk_ids = p.topk_ids;
+    r.topk_w = p.topk_w;
+    r.shared_w = p.shared_w;
+    r.E = p.E;
+    r.A = p.A;
+    r.norm_topk = p.norm_topk;
+    r.shared_gate = p.shared_gate != 0;
+    return r;
 }
 
-// Softmax + top-A over the logits written by router_rows (read back through L2), into sel_id/sel_p
-// (the combine weights); with `publish`, warp 0 also writes them and the shared-expert weight for
-// moe_down. Ends with a barrier.
-//   norm_topk: w_k = p_k / Σ_sel p = exp(l_k − l_top) / Σ_sel exp(l_j − l_top): the softmax's
-//   normaliser cancels, so beyond the ranks only the A selected logits are needed (one warp). Before,
-//   a block max, a block sum of E exponentials and a serial renormalisation took ~1.5 µs of the
-//   router's 3.4 µs of selection (measured by removing the selection, docs/performance.md).
-//   otherwise: w_k = p_k = exp(l_k − max) / Σ_e exp(l_e − max) over all E.
+// Softmax + top-A over the logits written by router_rows (read back through L2 into sl4), with
+// `publish` also written out for the expert kernels (common.cuh route_select). Ends with a barrier.
 __device__ __forceinline__ void route(const RouterParams& p, float4* sl4, int* sel_id, float* sel_p, float* red,
                                       bool publish) {
-    const volatile float* logits = (const volatile float*)p.logits;
-    float lv[SEL_PER_THREAD];
-#pragma unroll
-    for (int i = 0; i < SEL_PER_THREAD; ++i) {
-        const int e = threadIdx.x + i * blockDim.x;
-        lv[i] = e < p.E ? logits[e] : NEG_INF;
-    }
-    // the shared-expert gate's logit, requested with the others rather than after the selection
-    const float gate_logit = p.shared_gate && threadIdx.x == 0 ? logits[p.E] : 0.0f;
-    select_ranks(lv, p.E, p.A, sl4, sel_id, sel_p); // sel_p holds the selected logits for now
-    if (p.norm_topk) {
-        if (threadIdx.x < 32) { // A ≤ MOE_MAX_A = 32: one lane per selected expert
-            const int k = threadIdx.x;
-            const float w = k < p.A ? expf(sel_p[k] - sel_p[0]) : 0.0f;
-            const float sum = warp_sum(w);
-            if (k < p.A) sel_p[k] = w / sum;
-        }
-    } else {
-        float mx = NEG_INF;
-#pragma unroll
-        for (int i = 0; i < SEL_PER_THREAD; ++i)
-            if (lv[i] == lv[i]) mx = fmaxf(mx, lv[i]); // NaN never selected, never the max
-        mx = block_max(mx, red);
-        float z = 0.0f;
-#pragma unroll
-        for (int i = 0; i < SEL_PER_THREAD; ++i)
-            if (threadIdx.x + i * blockDim.x < p.E && lv[i] == lv[i]) z += expf(lv[i] - mx);
-        z = block_sum(z, red);
-        if (threadIdx.x < p.A) sel_p[threadIdx.x] = expf(sel_p[threadIdx.x] - mx) / z;
-    }
-    __syncwarp();
-    if (publish && threadIdx.x < 32) {
-        for (int k = threadIdx.x; k < p.A; k += 32) {
-            ((int*)p.topk_ids)[k] = sel_id[k];
-            ((float*)p.topk_w)[k] = sel_p[k];
-        }
-        if (threadIdx.x == 0) *(float*)p.shared_w = p.shared_gate ? sigmoid_f(gate_logit) : 1.0f;
-    }
-    __syncthreads();
+    __shared__ float4 cand4[SEL_CAND_LEN / 2];
+    const RouteParams r = route_of(p);
+    const float gate_logit = route_load_logits(r, (float*)sl4);
+    route_select(r, (float*)sl4, gate_logit, sel_id, sel_p, red, (float2*)cand4, publish);
 }
 
 // Router rows [item·rows_per_block, …) of this block's lane groups into logits (or, for the gate block,
@@ -182,8 +116,10 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
 #if !defined(ROUTER_LAB_NO_ROWS) // lab: what the router rows cost (wrong results)
     router_rows<FMT>(p, xs, usum, blockIdx.x, gate_block);
 #endif
-    // The last block to finish selects (one block of 256 threads: ~1 µs; done in every gate/up block
-    // instead it cost ~7 µs per launch, measured).
+    // Without a ticket the tensor-core gate/up selects, in every block (matvec_tc.cu): the logits
+    // are all this kernel leaves.
+    if (!p.counter) return;
+    // The last block to finish selects (one block of 256 threads).
     __shared__ int is_last;
     __threadfence();
     __syncthreads();

@@ -57,6 +57,29 @@ pub struct GateUpParams {
     pub eps: f32,
 }
 
+/// Where a router selection goes (common.cuh RouteParams).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouteParams {
+    pub logits: u64,
+    pub topk_ids: u64,
+    pub topk_w: u64,
+    pub shared_w: u64,
+    pub e: i32,
+    pub a: i32,
+    pub norm_topk: i32,
+    pub shared_gate: i32,
+}
+
+/// The tensor-core gate/up's parameters (matvec_tc.cu TcGateUpParams): with `route.logits` set,
+/// every block selects the top-k itself and the router runs without its ticket.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TcGateUpParams {
+    pub g: GateUpParams,
+    pub route: RouteParams,
+}
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DownParams {
@@ -122,6 +145,7 @@ fn gate_up_launch(
     shared: Option<&DevMatrix>,
     slots: (usize, usize),
     engine: DotEngine,
+    route: Option<RouteParams>,
 ) -> Result<Launch> {
     let fmt = routed.map(|r| r.0).or(shared).expect("a slot").format;
     let d = routed
@@ -153,11 +177,7 @@ fn gate_up_launch(
     };
     let nslots = slots.1 - slots.0;
     let n = i.max(is);
-    if engine == DotEngine::TensorCores
-        && matches!(d, 1024 | 2048 | 4096)
-        && routed.is_none_or(|r| tensor_core_format(r.0))
-        && shared.is_none_or(tensor_core_format)
-    {
+    if tensor_core_gate_up(engine, d, routed.map(|r| r.0), shared) {
         // kernels/matvec_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
         // blocks that fit at once
         let name = format!("matvec_tc_gate_up_q4_c{}", d / 1024);
@@ -165,15 +185,23 @@ fn gate_up_launch(
         let resident = gpu.sm_count as usize * gpu.resident_blocks(&name, THREADS, smem)?;
         let tiles = n.div_ceil(8) * nslots;
         let grid_x = (tiles.min(resident) / nslots).max(1);
+        let tp = TcGateUpParams {
+            g: p,
+            route: route.unwrap_or_default(),
+        };
         return Launch::new(
             gpu,
             &name,
             (grid_x as u32, nslots as u32, 1),
             THREADS,
             smem,
-            &p,
+            &tp,
         );
     }
+    ensure!(
+        route.is_none(),
+        "moe gate/up: only the tensor-core kernel selects the experts itself"
+    );
     let width = crate::matvec::lanes_per_row(d / fmt.per_unit());
     // a lane group takes two (gate, up) row pairs
     let pairs_per_pass = THREADS as usize / width * 2;
@@ -186,6 +214,19 @@ fn gate_up_launch(
         crate::matvec::input_smem_bytes(d, fmt),
         &p,
     )
+}
+
+/// Whether the gate/up products run on kernels/matvec_tc.cu (q4 in groups of 64, D 1024·{1, 2, 4}).
+fn tensor_core_gate_up(
+    engine: DotEngine,
+    d: usize,
+    routed: Option<&DevMatrix>,
+    shared: Option<&DevMatrix>,
+) -> bool {
+    engine == DotEngine::TensorCores
+        && matches!(d, 1024 | 2048 | 4096)
+        && routed.is_none_or(tensor_core_format)
+        && shared.is_none_or(tensor_core_format)
 }
 
 /// Chunks of 128 columns the tensor-core down kernel takes (kernels/matvec_tc.cu: 8 warps ×
@@ -266,6 +307,12 @@ fn down_launch(
 
 /// The router launch's parameters (also phase 4 of the persistent decode layer).
 fn router_params(w: &MoeWeightsRef, io: &MoeIo) -> RouterParams {
+    router_params_selecting(w, io, true)
+}
+
+/// [`router_params`]; `selects` false: no ticket, the router only leaves the logits (the
+/// tensor-core gate/up selects).
+fn router_params_selecting(w: &MoeWeightsRef, io: &MoeIo, selects: bool) -> RouterParams {
     RouterParams {
         h: io.h.0,
         norm_gain: io.norm_gain.0,
@@ -276,7 +323,7 @@ fn router_params(w: &MoeWeightsRef, io: &MoeIo) -> RouterParams {
         topk_ids: io.topk_ids.0,
         topk_w: io.topk_w.0,
         shared_w: io.shared_w.0,
-        counter: io.counter.0,
+        counter: if selects { io.counter.0 } else { 0 },
         d: w.router.cols as i32,
         e: w.experts as i32,
         a: w.top_k as i32,
@@ -284,6 +331,24 @@ fn router_params(w: &MoeWeightsRef, io: &MoeIo) -> RouterParams {
         group_size: w.router.group_size.max(1) as i32,
         eps: io.eps,
     }
+}
+
+/// The router launch: logits into `io.logits` and x̂ into `io.xn`; with `selects`, also the top-k
+/// and combine weights (its last block, after an atomic ticket), else the gate/up kernel takes them.
+pub fn router_launch(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, selects: bool) -> Result<Launch> {
+    let d = w.router.cols;
+    let width = crate::matvec::lanes_per_row(d / w.router.format.per_unit());
+    let rows_per_block = THREADS as usize / width * ROUTER_ROWS;
+    // one more block computes the shared-expert gate row
+    let grid = w.experts.div_ceil(rows_per_block) + w.shared_gate.is_some() as usize;
+    Launch::new(
+        gpu,
+        &format!("moe_router_{}", w.router.format.suffix()),
+        (grid as u32, 1, 1),
+        THREADS,
+        crate::matvec::input_smem_bytes(d, w.router.format),
+        &router_params_selecting(w, io, selects),
+    )
 }
 
 /// The sparse MoE block: router+top-k, gate/up, down+combine+residual (3 launches when the shared
@@ -307,23 +372,27 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
         "expert shapes inconsistent"
     );
     crate::matvec::check_staged_input(d, true)?;
-    let p = router_params(w, io);
-    let width = crate::matvec::lanes_per_row(d / w.router.format.per_unit());
-    let rows_per_block = THREADS as usize / width * ROUTER_ROWS;
-    // one more block computes the shared-expert gate row
-    let grid = e.div_ceil(rows_per_block) + w.shared_gate.is_some() as usize;
-    let mut launches = vec![Launch::new(
-        gpu,
-        &format!("moe_router_{}", w.router.format.suffix()),
-        (grid as u32, 1, 1),
-        THREADS,
-        crate::matvec::input_smem_bytes(d, w.router.format),
-        &p,
-    )?];
     let same = w.shared.map(|(gu, dn)| {
         (gu.format, gu.group_size) == (w.gate_up.format, w.gate_up.group_size)
             && (dn.format, dn.group_size) == (w.down.format, w.down.group_size)
     });
+    // Where the top-k is taken: in every block of the tensor-core gate/up when it runs the routed
+    // experts (the router then needs no ticket: docs/performance.md, session 6), else in the
+    // router's last block. CALLA_ROUTER=ticket keeps it in the router (to compare).
+    let first_shared = w.shared.filter(|_| same == Some(true)).map(|s| s.0);
+    let gate_up_selects = std::env::var("CALLA_ROUTER").as_deref() != Ok("ticket")
+        && tensor_core_gate_up(engine, d, Some(w.gate_up), first_shared);
+    let route = gate_up_selects.then(|| RouteParams {
+        logits: io.logits.0,
+        topk_ids: io.topk_ids.0,
+        topk_w: io.topk_w.0,
+        shared_w: io.shared_w.0,
+        e: e as i32,
+        a: a as i32,
+        norm_topk: w.norm_topk as i32,
+        shared_gate: w.shared_gate.is_some() as i32,
+    });
+    let mut launches = vec![router_launch(gpu, w, io, !gate_up_selects)?];
     match (w.shared, same) {
         (Some((sgu, _)), Some(true)) => {
             launches.push(gate_up_launch(
@@ -335,6 +404,7 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
                 Some(sgu),
                 (0, a + 1),
                 engine,
+                route,
             )?);
         }
         (Some((sgu, _)), _) => {
@@ -347,6 +417,7 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
                 None,
                 (0, a),
                 engine,
+                route,
             )?);
             launches.push(gate_up_launch(
                 gpu,
@@ -357,6 +428,7 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
                 Some(sgu),
                 (a, a + 1),
                 engine,
+                None,
             )?);
         }
         (None, _) => launches.push(gate_up_launch(
@@ -368,6 +440,7 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
             None,
             (0, a),
             engine,
+            route,
         )?),
     }
     match (w.shared, same) {
@@ -432,6 +505,7 @@ pub fn dense_mlp(
             Some(gate_up),
             (0, 1),
             DotEngine::default_for_run(),
+            None,
         )?,
         down_launch(
             gpu,

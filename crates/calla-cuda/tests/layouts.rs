@@ -18,6 +18,8 @@ fn parameter_structs_match_the_kernels() {
         ),
         ("RouterParams", size_of::<moe::RouterParams>(), 128),
         ("GateUpParams", size_of::<moe::GateUpParams>(), 128),
+        ("RouteParams", size_of::<moe::RouteParams>(), 48),
+        ("TcGateUpParams", size_of::<moe::TcGateUpParams>(), 176),
         ("DownParams", size_of::<moe::DownParams>(), 136),
         (
             "MoePersistentParams",

@@ -1153,6 +1153,110 @@ fn ffn_case(name: &str, spec: &ModelSpec, w: &Weights, tol: f32) -> bool {
     check(name, &shape, &got_all, &want_all, tol, tol)
 }
 
+/// The top-k the CPU takes (calla_cpu::moe::route's order: logit descending, ties to the lowest id;
+/// NaN never chosen) and the combine weights, from the logits a router kernel left.
+fn top_k_of(logits: &[f32], a: usize, norm_topk: bool) -> Vec<(usize, f32)> {
+    let mut order: Vec<usize> = (0..logits.len()).filter(|&e| !logits[e].is_nan()).collect();
+    order.sort_by(|&x, &y| logits[y].total_cmp(&logits[x]).then(x.cmp(&y)));
+    let top = logits[order[0]];
+    let sum_sel: f32 = order[..a].iter().map(|&e| (logits[e] - top).exp()).sum();
+    let sum_all: f32 = order.iter().map(|&e| (logits[e] - top).exp()).sum();
+    order[..a]
+        .iter()
+        .map(|&e| {
+            (
+                e,
+                (logits[e] - top).exp() / if norm_topk { sum_sel } else { sum_all },
+            )
+        })
+        .collect()
+}
+
+/// Both places the top-k is taken (the router's last block after a ticket, `CALLA_ROUTER=ticket`;
+/// every block of the tensor-core gate/up, the default) select exactly the CPU's top-k from the
+/// router's logits, with exact ties at the k-th place: the router's rows are made identical in
+/// threes, so every logit comes three times and the 8th place always falls inside a triple, where the
+/// lowest ids must win.
+#[test]
+#[ignore = "needs CUDA"]
+fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
+    let (spec, w) = real_two_layers();
+    let (be, _seq) = rig(spec, w, 8, KvDtype::Bf16);
+    let gpu = be.gpu().clone();
+    let layer = (0..spec.num_layers())
+        .find(|&i| forward::moe_weights(&be.model, spec, i).is_some())
+        .expect("an MoE layer");
+    let mw = forward::moe_weights(&be.model, spec, layer).unwrap();
+    let io = forward::moe_io(&be.model, spec, &be.scratch, layer);
+    let (e, a, d) = (mw.experts, mw.top_k, mw.router.cols);
+    let r = mw.router.kref();
+    let rb = r.row_bytes as usize;
+    let param_bytes = r.groups_per_row as usize * if r.param_f32 != 0 { 8 } else { 4 };
+    for row in (0..e).filter(|row| row % 3 != 0) {
+        let src = row - row % 3;
+        let (data, params) = (mw.router.data, mw.router.params);
+        gpu.dtod(data.offset(row * rb), data.offset(src * rb), rb)
+            .unwrap();
+        if mw.router.format.is_affine() {
+            gpu.dtod(
+                params.offset(row * param_bytes),
+                params.offset(src * param_bytes),
+                param_bytes,
+            )
+            .unwrap();
+        }
+    }
+    let mut rng = Rng::new(97);
+    let (mut equal, mut total, mut worst_w) = (0usize, 0usize, 0f32);
+    for _ in 0..16 {
+        let x = rng.normal_vec(d, 1.0);
+        for mode in ["ticket", "gate/up"] {
+            if mode == "ticket" {
+                std::env::set_var("CALLA_ROUTER", "ticket");
+            }
+            let launches = calla_cuda::moe::moe(&gpu, &mw, &io).unwrap();
+            std::env::remove_var("CALLA_ROUTER");
+            gpu.htod(io.h, &x).unwrap();
+            gpu.memset_zero(io.topk_ids, 4 * a).unwrap();
+            for l in &launches[..2] {
+                l.run(&gpu).unwrap(); // router, then gate/up
+            }
+            let logits = download(&gpu, io.logits, e + 1);
+            let mut ids = vec![0i32; a];
+            gpu.dtoh(io.topk_ids, &mut ids).unwrap();
+            let weights = download(&gpu, io.topk_w, a);
+            let want = top_k_of(&logits[..e], a, mw.norm_topk);
+            assert!(
+                (0..e).all(|i| logits[i].to_bits() == logits[i - i % 3].to_bits()),
+                "{mode}: the copied rows' logits differ"
+            );
+            total += 1;
+            if ids.iter().zip(&want).all(|(&g, &(w, _))| g as usize == w) {
+                equal += 1;
+            } else {
+                let want_ids: Vec<usize> = want.iter().map(|w| w.0).collect();
+                eprintln!("{mode}: ids {ids:?}, want {want_ids:?}");
+            }
+            for (g, (_, w)) in weights.iter().zip(&want) {
+                worst_w = worst_w.max((g - w).abs());
+            }
+            if mw.shared_gate.is_some() {
+                let sw = download(&gpu, io.shared_w, 1)[0];
+                worst_w = worst_w.max((sw - 1.0 / (1.0 + (-logits[e]).exp())).abs());
+            }
+        }
+    }
+    let shape = format!("E{e} A{a} D{d}, {:?} router", mw.router.format);
+    let ok = check_count(
+        "top-k with ties: ticket and gate/up",
+        &shape,
+        equal,
+        total,
+        "",
+    );
+    assert!(ok && worst_w < 1e-6, "combine weights off by {worst_w}");
+}
+
 #[test]
 #[ignore = "needs CUDA"]
 fn moe_and_mlp_against_cpu() {
@@ -1211,5 +1315,20 @@ fn moe_and_mlp_against_cpu() {
     std::env::set_var("CALLA_MATVEC", "rows");
     all &= ffn_case("moe q4 (real dims, 256 experts), CUDA cores", real, w, 2e-4);
     std::env::remove_var("CALLA_MATVEC");
+    // and with the ticket router (the cluster router is the default on sm_90+)
+    std::env::set_var("CALLA_ROUTER", "ticket");
+    all &= ffn_case(
+        "moe q4 (real dims, 256 experts), ticket router",
+        real,
+        w,
+        2e-4,
+    );
+    all &= ffn_case(
+        "moe router+top-k+experts f32, ticket router",
+        &tiny,
+        &random_weights(&tiny, None, 71),
+        1e-4,
+    );
+    std::env::remove_var("CALLA_ROUTER");
     assert!(all);
 }
