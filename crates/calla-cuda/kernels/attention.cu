@@ -443,6 +443,91 @@ __device__ __forceinline__ void attn_issue_tile(u16* stage, const u16* kc, const
     }
 }
 
+// attn_decode_bf16_bar: the splits' merge after a barrier among the splits of a kv head instead of
+// two ticketed levels (measured with LAB_STAMPS, the ticketed merge took ~11.7 µs of the kernel's
+// ~21.8 at 4K and ~19 µs at 32K: a fence and an atomic per level, then one block per group reading
+// 16 partials of G·Dh floats through L2, one warp per head). Here every live split writes its
+// partial (as the ticketed kernel does), all p.nsplit blocks of the kv head arrive at a monotonic
+// counter (dead splits arrive and leave), and then live split s merges outputs [s·per, (s+1)·per)
+// of the head group's G·Dh (per = ⌈G·Dh / live splits⌉: 16 at the real shape) over every live
+// partial, with the loads of a whole slice in flight at once: one L2 round trip for the m, l of its
+// head and one for its acc column. Summation order is fixed by thread index (deterministic).
+// Every block of the grid must be resident at once (the launcher checks the occupancy, else it
+// runs the ticketed kernel): blocks wait for each other.
+#define ATTN_BAR_MAX_SPLITS 256 // live splits the merge takes (one per thread for m, l)
+// The kv head's arrival counter (u64, monotonic: exactly p.nsplit arrivals per launch), after the
+// ticketed kernel's tickets in the same buffer.
+__device__ __forceinline__ u64 attn_bar_counter(const AttnDecodeParams& p, int kvh) {
+    const int words = p.Hkv * (1 + (p.nsplit + ATTN_GROUP - 1) / ATTN_GROUP);
+    return (u64)((unsigned*)p.tickets + ((words + 1) & ~1)) + 8ull * kvh;
+}
+// This block's arrival; returns the count at which every split of the launch has arrived.
+__device__ __forceinline__ u64 attn_bar_arrive(const AttnDecodeParams& p, int kvh) {
+    u64 old;
+    asm volatile("atom.add.acq_rel.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(attn_bar_counter(p, kvh)) : "memory");
+    return (old / p.nsplit + 1) * p.nsplit;
+}
+__device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, int G, int kvh, int split, int nsp) {
+    __shared__ float w_s[ATTN_BAR_MAX_SPLITS];
+    __shared__ float part_s[256];
+    __shared__ float red[32];
+    const int Dh = p.Dh, tid = threadIdx.x;
+    __syncthreads(); // every thread's partial stores precede the arrival
+    if (tid == 0) {
+        __threadfence();
+        wait_until_at_least(attn_bar_counter(p, kvh), attn_bar_arrive(p, kvh));
+    }
+    __syncthreads();
+    LAB_STAMP(5);
+    const int total = G * Dh, per = (total + nsp - 1) / nsp;
+    const int o0 = min(total, split * per), o1 = min(total, o0 + per);
+    for (int h = o0 / Dh; h * Dh < o1; ++h) {
+        const int hq = kvh * G + h;
+        const i64 base = (i64)hq * p.nsplit;
+        const int d0 = max(o0 - h * Dh, 0), d1 = min(o1 - h * Dh, Dh);
+        // the weights of the live partials: w_i = exp(m_i − M), L = Σ w_i·l_i (thread i)
+        float mi = NEG_INF, li = 0.0f;
+        if (tid < nsp) {
+            mi = __ldcg((const float*)p.part_m + base + tid);
+            li = __ldcg((const float*)p.part_l + base + tid);
+        }
+        // this head's acc column for the first outputs, requested with m and l: thread t takes
+        // output d0 + t % nd of chunk c and inputs t / nd, + R, … (R = 256 / nd threads per output)
+        for (int c0 = d0; c0 < d1; c0 += blockDim.x) {
+            const int nd = min(d1 - c0, (int)blockDim.x), R = blockDim.x / nd;
+            const int r = tid / nd, d = c0 + tid % nd;
+            float a[ATTN_BAR_MAX_SPLITS / 16];
+            const int nload = r < R ? (nsp - r + R - 1) / R : 0; // inputs r, r + R, … < nsp
+#pragma unroll
+            for (int k = 0; k < ATTN_BAR_MAX_SPLITS / 16; ++k)
+                a[k] = k < nload ? __ldcg((const float*)p.part_acc + (base + r + (i64)k * R) * Dh + d) : 0.0f;
+            const float M = block_max(mi, red); // finite: split 0 is live
+            const float wi = tid < nsp ? expf(mi - M) : 0.0f;
+            if (tid < nsp) w_s[tid] = wi;
+            const float L = block_sum(wi * li, red); // (its barriers also publish w_s)
+            float A = 0.0f;
+#pragma unroll
+            for (int k = 0; k < ATTN_BAR_MAX_SPLITS / 16; ++k)
+                if (k < nload) A = fmaf(w_s[r + k * R], a[k], A);
+            // nload > 16 (more than 16 inputs per thread: R < nsp / 16) continues here
+            for (int k = ATTN_BAR_MAX_SPLITS / 16; k < nload; ++k)
+                A = fmaf(w_s[r + k * R], __ldcg((const float*)p.part_acc + (base + r + (i64)k * R) * Dh + d), A);
+            if (r < R) part_s[tid] = A;
+            __syncthreads();
+            if (tid < nd) {
+                float sum = 0.0f;
+                for (int q = 0; q < R; ++q) sum += part_s[q * nd + tid];
+                float y = sum / L;
+                if (p.gated) y *= sigmoid_f(((const float*)p.qg)[(i64)hq * 2 * Dh + Dh + c0 + tid]);
+                ((float*)p.y)[(i64)hq * Dh + c0 + tid] = y;
+            }
+            __syncthreads(); // part_s, w_s and red are reused by the next chunk or head
+        }
+    }
+    LAB_STAMP(6);
+}
+
+template <bool BARRIER>
 __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p) {
     extern __shared__ __align__(16) unsigned char attn_smem[];
     __shared__ int last_s;
@@ -453,6 +538,8 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
     // Rows this warp normalises: q heads warp, warp + 8 (< G); warp G % 8 also the k row (used
     // only by the block that holds p, loaded by every block: all loads leave at once).
     const bool k_warp = warp == G % ATTN_WARPS;
+    LAB_ON(blockIdx.y == 0); // lab (LAB_STAMPS): kv head 0's splits, per warp
+    LAB_STAMP(0);
     RopeRowIn q_in[2], k_in;
     float v_in[ATTN_MAX_DPL];
 #pragma unroll
@@ -477,7 +564,10 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
     const int len = cur.pos + 1;
     const int2 live = attn_live_splits(cur.pos, p.nsplit, p.min_tiles);
     const int nsp = live.x, tiles = live.y;
-    if (split >= nsp) return; // beyond the live splits at this position (whole block)
+    if (split >= nsp) { // beyond the live splits at this position (whole block)
+        if (BARRIER && threadIdx.x == 0) attn_bar_arrive(p, kvh); // every split arrives, once
+        return;
+    }
     const int t0 = (int)((i64)split * tiles / nsp) * ATTN_TILE;
     const int t1 = min(len, (int)((i64)(split + 1) * tiles / nsp) * ATTN_TILE);
     const int ntiles = (t1 - t0 + ATTN_TILE - 1) / ATTN_TILE;
@@ -505,6 +595,7 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         }
         cp_async_commit();
     }
+    LAB_STAMP(1);
 #pragma unroll
     for (int r = 0; r < 2; ++r)
         if (warp + ATTN_WARPS * r < G)
@@ -525,6 +616,7 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
             }
     }
     __syncthreads(); // q_s, k row
+    LAB_STAMP(2);
 
     // qᵀ as B fragments, split hi + lo: b0 = (d 16c + 2qd, +1; head 8nt + gq), b1 = d + 8.
     const int mt = warp & 1, kg = warp >> 1, nchunks = Dh / 16;
@@ -693,6 +785,8 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         }
     }
     cp_async_wait<0>(); // only empty groups remain; nothing in flight at exit
+    LAB_AFTER(__float_as_uint(o[0][0][0]));
+    LAB_STAMP(3);
 
     // Partials: m, l from warp 0 (lane 4·gq holds head 8nt + gq); acc from the C fragments
     // (d 16·md + gq (+8), head 2qd (+1)).
@@ -720,22 +814,37 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
                 }
     }
 
+    if (BARRIER) {
+        LAB_STAMP(4);
+        attn_barrier_merge(p, G, kvh, split, nsp);
+        return;
+    }
     // Merge as in the f32 kernel; warp w merges heads w, w + 8.
     const int group = split / ATTN_GROUP, first = group * ATTN_GROUP;
     const int ngroups = (nsp + ATTN_GROUP - 1) / ATTN_GROUP;
     unsigned* tickets = (unsigned*)p.tickets + (i64)kvh * (1 + (p.nsplit + ATTN_GROUP - 1) / ATTN_GROUP);
+    LAB_STAMP(4);
     if (!arrive_last(tickets + 1 + group, min(ATTN_GROUP, nsp - first), &last_s)) return;
+    LAB_STAMP(5);
     for (int h = warp; h < G; h += ATTN_WARPS)
         merge_partials(p, kvh * G + h, first, 1, min(ATTN_GROUP, nsp - first), ngroups == 1);
+    __syncwarp();
+    LAB_STAMP(6);
     if (ngroups == 1) return;
     if (!arrive_last(tickets, ngroups, &last_s)) return;
     for (int h = warp; h < G; h += ATTN_WARPS) merge_partials(p, kvh * G + h, 0, ATTN_GROUP, ngroups, true);
+    __syncwarp();
+    LAB_STAMP(7);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) attn_decode_bf16(const AttnDecodeParams p) {
-    attn_decode_bf16_body(p);
+    attn_decode_bf16_body<false>(p);
 }
 extern "C" __global__ void __launch_bounds__(512) attn_decode_f32(const AttnDecodeParams p) { attn_decode_body<float>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) attn_decode_bf16_bar(const AttnDecodeParams p) {
+    attn_decode_bf16_body<true>(p);
+}
+LAB_STAMPS_COPY(attn_lab_stamps)
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(AttnDecodeParams) == 152, "AttnDecodeParams layout differs from its Rust twin");

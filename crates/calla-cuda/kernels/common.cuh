@@ -548,8 +548,6 @@ __device__ __forceinline__ void stage_input(const float* src, const float* gain,
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// An arrive that orders nothing: for the first phase, which only says "this block has started".
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
 // `local` (a __shared__ address of this block) as seen in the cluster block of rank `rank`.
 __device__ __forceinline__ u32 cluster_map(const void* local, u32 rank) {
     u32 addr, remote;
@@ -561,9 +559,6 @@ __device__ __forceinline__ float cluster_load_f32(const float* local, u32 rank) 
     float v;
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_map(local, rank)) : "memory");
     return v;
-}
-__device__ __forceinline__ void cluster_store_f32(float* local, u32 rank, float v) {
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_map(local, rank)), "f"(v) : "memory");
 }
 #endif
 

@@ -168,9 +168,30 @@ pub fn decode_smem(spec: &ModelSpec, kv: KvDtype) -> usize {
 }
 
 /// u32 words of merge tickets for `hkv` KV heads and `nsplit` grid splits: per kv head one for
-/// the groups, one per group.
+/// the groups and one per group (the ticketed merge), then (8-byte aligned) a u64 arrival counter per
+/// kv head (the barrier merge, attention.cu attn_bar_counter).
 pub fn ticket_words(hkv: usize, nsplit: usize) -> usize {
-    hkv * (1 + nsplit.div_ceil(MERGE_GROUP))
+    (hkv * (1 + nsplit.div_ceil(MERGE_GROUP))).next_multiple_of(2) + 2 * hkv
+}
+
+/// Live splits the barrier merge takes (attention.cu ATTN_BAR_MAX_SPLITS).
+const BARRIER_MAX_SPLITS: usize = 256;
+
+/// Whether the bf16 cache's splits merge after a barrier among the splits of a kv head
+/// (attn_decode_bf16_bar, the default) or through two ticketed levels (attn_decode_bf16;
+/// `CALLA_ATTN_MERGE=ticket`, or when not every block of the grid fits on the GPU at once: the
+/// barrier's blocks wait for each other).
+pub fn barrier_merge(gpu: &Gpu, spec: &ModelSpec, nsplit: usize) -> Result<bool> {
+    if std::env::var("CALLA_ATTN_MERGE").as_deref() == Ok("ticket") || nsplit > BARRIER_MAX_SPLITS {
+        return Ok(false);
+    }
+    let kv = KvDtype::Bf16;
+    let per_sm = gpu.resident_blocks(
+        "attn_decode_bf16_bar",
+        decode_threads(spec, kv) as u32,
+        decode_smem(spec, kv) as u32,
+    )?;
+    Ok(per_sm * gpu.sm_count as usize >= nsplit * spec.num_key_value_heads)
 }
 
 /// One launch per attention layer: norm + RoPE + KV append, split-KV attention, merge + gate.
@@ -218,9 +239,13 @@ pub fn decode(
         eps: spec.rms_norm_eps,
         scale: (dh as f32).powf(-0.5),
     };
+    let name = match kv {
+        KvDtype::Bf16 if barrier_merge(gpu, spec, io.nsplit)? => "attn_decode_bf16_bar".to_string(),
+        _ => format!("attn_decode_{}", kv.suffix()),
+    };
     Ok(vec![Launch::new(
         gpu,
-        &format!("attn_decode_{}", kv.suffix()),
+        &name,
         (io.nsplit as u32, hkv as u32, 1),
         decode_threads(spec, kv) as u32,
         decode_smem(spec, kv) as u32,

@@ -622,24 +622,39 @@ pub fn lab_stamp_intervals(
 fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
     let gpu = be.gpu();
     let mhz = gpu.clock_mhz()?;
-    let names = [
+    let rows: &[&str] = &[
         "entry → dots start (prologue)",
         "dots start → first load arrived",
         "first load → dots done",
         "dots done → stored",
         "stored → kernel end",
     ];
+    let attention: &[&str] = &[
+        "entry → loads issued",
+        "→ q normalised, barrier",
+        "→ tiles done",
+        "→ partials written",
+        "→ first ticket (mergers)",
+        "→ group merged",
+        "→ second ticket + final merge",
+    ];
     let mut out = String::new();
-    for (kernel, what) in [
+    for (kernel, what, names) in [
         (
             "matvec_lab_stamps",
             "matvec (the last in-projection: layer 39, attention q|k|v)",
+            rows,
         ),
-        ("moe_lab_stamps", "moe down (last layer)"),
+        ("moe_lab_stamps", "moe down (last layer)", rows),
+        (
+            "attn_lab_stamps",
+            "attention decode (last attention layer, kv head 0)",
+            attention,
+        ),
     ] {
         out +=
             &format!("lab stamps, {what}: µs per warp (SM clock at {mhz:.0} MHz), median / max\n");
-        for (name, median, max, warps) in lab_stamp_intervals(gpu, kernel, &names)? {
+        for (name, median, max, warps) in lab_stamp_intervals(gpu, kernel, names)? {
             out += &format!("  {name:<34} {median:7.2} {max:7.2}  ({warps} warps)\n");
         }
     }

@@ -1084,6 +1084,31 @@ fn attention_decode_prefilled_long_context() {
             if kv == KvDtype::F32 { 2e-4 } else { 2e-2 },
         );
     }
+    // The ticketed merge (attn_decode_bf16; the barrier merge is the default) on the
+    // same tiny and real checks.
+    std::env::set_var("CALLA_ATTN_MERGE", "ticket");
+    let w = random_weights(&tiny, None, 71);
+    all &= attention_prefilled_case(
+        "attn prefilled tiny Bf16, ticketed merge",
+        &tiny,
+        &w,
+        6000,
+        KvDtype::Bf16,
+        &split_change_positions(calla_cuda::attention::num_splits(6000), 6000),
+        1e-4,
+        2e-2,
+    );
+    all &= attention_prefilled_case(
+        "attn prefilled real Bf16, ticketed merge",
+        real,
+        wr,
+        ctx,
+        KvDtype::Bf16,
+        &positions,
+        1e-4,
+        2e-2,
+    );
+    std::env::remove_var("CALLA_ATTN_MERGE");
     // Two tiles per split at least (CALLA_ATTN_MIN_TILES, read when the launches are built): the
     // same tiny checks with the other split policy.
     std::env::set_var("CALLA_ATTN_MIN_TILES", "2");
