@@ -454,7 +454,7 @@ __device__ __forceinline__ void attn_issue_tile(u16* stage, const u16* kc, const
 // head and one for its acc column. Summation order is fixed by thread index (deterministic).
 // Every block of the grid must be resident at once (the launcher checks the occupancy, else it
 // runs the ticketed kernel): blocks wait for each other.
-#define ATTN_BAR_MAX_SPLITS 256 // live splits the merge takes (one per thread for m, l)
+#define ATTN_BAR_MAX_SPLITS 128 // live splits the merge takes (4 per lane for M and L)
 // The kv head's arrival counter (u64, monotonic: exactly p.nsplit arrivals per launch), after the
 // ticketed kernel's tickets in the same buffer.
 __device__ __forceinline__ u64 attn_bar_counter(const AttnDecodeParams& p, int kvh) {
@@ -468,50 +468,63 @@ __device__ __forceinline__ u64 attn_bar_arrive(const AttnDecodeParams& p, int kv
     return (old / p.nsplit + 1) * p.nsplit;
 }
 __device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, int G, int kvh, int split, int nsp) {
-    __shared__ float w_s[ATTN_BAR_MAX_SPLITS];
     __shared__ float part_s[256];
-    __shared__ float red[32];
-    const int Dh = p.Dh, tid = threadIdx.x;
-    __syncthreads(); // every thread's partial stores precede the arrival
-    if (tid == 0) {
-        __threadfence();
-        wait_until_at_least(attn_bar_counter(p, kvh), attn_bar_arrive(p, kvh));
-    }
+    const int Dh = p.Dh, tid = threadIdx.x, lane = tid & 31;
+    __threadfence(); // this thread's partial stores, before the block's arrival
+    __syncthreads();
+    if (tid == 0) wait_until_at_least(attn_bar_counter(p, kvh), attn_bar_arrive(p, kvh));
     __syncthreads();
     LAB_STAMP(5);
     const int total = G * Dh, per = (total + nsp - 1) / nsp;
     const int o0 = min(total, split * per), o1 = min(total, o0 + per);
+    const float* pm = (const float*)p.part_m;
+    const float* pl = (const float*)p.part_l;
+    const float* pa = (const float*)p.part_acc;
     for (int h = o0 / Dh; h * Dh < o1; ++h) {
         const int hq = kvh * G + h;
         const i64 base = (i64)hq * p.nsplit;
         const int d0 = max(o0 - h * Dh, 0), d1 = min(o1 - h * Dh, Dh);
-        // the weights of the live partials: w_i = exp(m_i − M), L = Σ w_i·l_i (thread i)
-        float mi = NEG_INF, li = 0.0f;
-        if (tid < nsp) {
-            mi = __ldcg((const float*)p.part_m + base + tid);
-            li = __ldcg((const float*)p.part_l + base + tid);
-        }
-        // this head's acc column for the first outputs, requested with m and l: thread t takes
-        // output d0 + t % nd of chunk c and inputs t / nd, + R, … (R = 256 / nd threads per output)
         for (int c0 = d0; c0 < d1; c0 += blockDim.x) {
+            // thread t: output d = c0 + t % nd, inputs r, r + R, … (R = 256 / nd threads per output);
+            // its acc column and those inputs' m, and (every warp, for M and L) lane + 32j's m and l,
+            // all requested at once: one L2 round trip
             const int nd = min(d1 - c0, (int)blockDim.x), R = blockDim.x / nd;
             const int r = tid / nd, d = c0 + tid % nd;
-            float a[ATTN_BAR_MAX_SPLITS / 16];
-            const int nload = r < R ? (nsp - r + R - 1) / R : 0; // inputs r, r + R, … < nsp
+            const int nload = r < R ? (nsp - r + R - 1) / R : 0;
+            float a[ATTN_BAR_MAX_SPLITS / 16], am[ATTN_BAR_MAX_SPLITS / 16];
 #pragma unroll
-            for (int k = 0; k < ATTN_BAR_MAX_SPLITS / 16; ++k)
-                a[k] = k < nload ? __ldcg((const float*)p.part_acc + (base + r + (i64)k * R) * Dh + d) : 0.0f;
-            const float M = block_max(mi, red); // finite: split 0 is live
-            const float wi = tid < nsp ? expf(mi - M) : 0.0f;
-            if (tid < nsp) w_s[tid] = wi;
-            const float L = block_sum(wi * li, red); // (its barriers also publish w_s)
+            for (int k = 0; k < ATTN_BAR_MAX_SPLITS / 16; ++k) {
+                a[k] = am[k] = 0.0f;
+                if (k < nload) {
+                    a[k] = __ldcg(pa + (base + r + (i64)k * R) * Dh + d);
+                    am[k] = __ldcg(pm + base + r + k * R);
+                }
+            }
+            float mv[ATTN_BAR_MAX_SPLITS / 32], lv[ATTN_BAR_MAX_SPLITS / 32];
+#pragma unroll
+            for (int j = 0; j < ATTN_BAR_MAX_SPLITS / 32; ++j) {
+                const int i = lane + 32 * j;
+                mv[j] = i < nsp ? __ldcg(pm + base + i) : NEG_INF;
+                lv[j] = i < nsp ? __ldcg(pl + base + i) : 0.0f;
+            }
+            // M = max m, L = Σ exp(m − M)·l over the live splits, in every warp alike (no barrier)
+            float M = mv[0];
+#pragma unroll
+            for (int j = 1; j < ATTN_BAR_MAX_SPLITS / 32; ++j) M = fmaxf(M, mv[j]);
+            M = warp_max(M); // finite: split 0 is live
+            float L = 0.0f;
+#pragma unroll
+            for (int j = 0; j < ATTN_BAR_MAX_SPLITS / 32; ++j) L = fmaf(expf(mv[j] - M), lv[j], L);
+            L = warp_sum(L);
             float A = 0.0f;
 #pragma unroll
             for (int k = 0; k < ATTN_BAR_MAX_SPLITS / 16; ++k)
-                if (k < nload) A = fmaf(w_s[r + k * R], a[k], A);
-            // nload > 16 (more than 16 inputs per thread: R < nsp / 16) continues here
-            for (int k = ATTN_BAR_MAX_SPLITS / 16; k < nload; ++k)
-                A = fmaf(w_s[r + k * R], __ldcg((const float*)p.part_acc + (base + r + (i64)k * R) * Dh + d), A);
+                if (k < nload) A = fmaf(expf(am[k] - M), a[k], A);
+            // more than 8 inputs per thread (R < nsp / 8; not at the real shape) continue here
+            for (int k = ATTN_BAR_MAX_SPLITS / 16; k < nload; ++k) {
+                const i64 i = base + r + (i64)k * R;
+                A = fmaf(expf(__ldcg(pm + i) - M), __ldcg(pa + i * Dh + d), A);
+            }
             if (r < R) part_s[tid] = A;
             __syncthreads();
             if (tid < nd) {
@@ -521,7 +534,7 @@ __device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, in
                 if (p.gated) y *= sigmoid_f(((const float*)p.qg)[(i64)hq * 2 * Dh + Dh + c0 + tid]);
                 ((float*)p.y)[(i64)hq * Dh + c0 + tid] = y;
             }
-            __syncthreads(); // part_s, w_s and red are reused by the next chunk or head
+            __syncthreads(); // part_s is reused by the next chunk or head
         }
     }
     LAB_STAMP(6);

@@ -175,7 +175,7 @@ pub fn ticket_words(hkv: usize, nsplit: usize) -> usize {
 }
 
 /// Live splits the barrier merge takes (attention.cu ATTN_BAR_MAX_SPLITS).
-const BARRIER_MAX_SPLITS: usize = 256;
+const BARRIER_MAX_SPLITS: usize = 128;
 
 /// Whether the bf16 cache's splits merge after a barrier among the splits of a kv head
 /// (attn_decode_bf16_bar, the default) or through two ticketed levels (attn_decode_bf16;

@@ -634,9 +634,9 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
         "→ q normalised, barrier",
         "→ tiles done",
         "→ partials written",
-        "→ first ticket (mergers)",
-        "→ group merged",
-        "→ second ticket + final merge",
+        "→ barrier passed / first ticket",
+        "→ slice merged / group merged",
+        "→ (ticketed) final merge",
     ];
     let mut out = String::new();
     for (kernel, what, names) in [
