@@ -157,7 +157,7 @@ __device__ LAYER_PHASE void layer_in_proj(const LayerParams& p) {
 template <int KPL>
 __device__ LAYER_PHASE void layer_deltanet(const LayerParams& p) {
     for (int item = blockIdx.x; item < p.dn.Hv * LAYER_DN_SPLIT; item += gridDim.x)
-        deltanet_decode_item<KPL, LAYER_DN_SPLIT, true>(p.dn, item);
+        deltanet_decode_item<KPL, LAYER_DN_SPLIT, DN_OUT_RAW>(p.dn, item);
 }
 
 // ---- phase 3: out-projection (+ residual into h)

@@ -153,10 +153,17 @@ __device__ __forceinline__ void dn_columns(float* S, int Dk, const int* js, int 
     }
 }
 
-// Work item `item` = (value head item / SPLIT, column block item % SPLIT). RAW_OUT (the persistent
-// layer, decode_layer.cu): y ← o, the gated RMSNorm is left to the out-projection's prologue, and no
-// cluster is needed.
-template <int KPL, int SPLIT, bool RAW_OUT>
+// What a decode item leaves in y:
+//   DN_OUT_NORMED  the gated RMSNorm of o (Σo² over the head through the cluster when SPLIT > 1);
+//   DN_OUT_RAW     o (the persistent layer, decode_layer.cu, norms it in the out-projection's prologue);
+//   DN_OUT_PARTS   w·o·silu(z), and after y's Hv·Dv values the block's Σo² over its own columns at
+//                  Hv·Dv + item: the out-projection (matvec_tc.cu, TcMatvecParams) sums a head's SPLIT
+//                  parts and scales. No cluster: its barrier cost 1.8 µs of the kernel's 6.8 (measured).
+#define DN_OUT_NORMED 0
+#define DN_OUT_RAW 1
+#define DN_OUT_PARTS 2
+// Work item `item` = (value head item / SPLIT, column block item % SPLIT).
+template <int KPL, int SPLIT, int OUT>
 __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, int item) {
     __shared__ float q_s[DN_MAX_DK], k_s[DN_MAX_DK], v_s[DN_MAX_DV], o_s[DN_MAX_DV];
     __shared__ float red[64];
@@ -272,7 +279,7 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
         dn_columns<KPL, 1>(S, p.Dk, &j, n, s1, kr, qr, alpha, beta, v_s, o_s, lane);
     }
     __syncthreads();
-    if (RAW_OUT) {
+    if (OUT == DN_OUT_RAW) {
         if (tid < n) ((float*)p.y)[(i64)h * p.Dv + j0 + tid] = o_s[tid];
         __syncthreads(); // the shared arrays are reused by the block's next item
         return;
@@ -281,6 +288,11 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
     // 5. gated RMSNorm: y = w · o/√(mean(o²) + eps) · silu(z), Σo² over all Dv columns of the head.
     const float o_t = tid < n ? o_s[tid] : 0.0f;
     float sumsq = block_sum(o_t * o_t, red); // n ≤ DN_THREADS: one column per thread
+    if (OUT == DN_OUT_PARTS) {
+        if (tid < n) ((float*)p.y)[(i64)h * p.Dv + j0 + tid] = w_t * o_t * silu_f(z_t);
+        if (tid == 0) ((float*)p.y)[(i64)p.Hv * p.Dv + item] = sumsq;
+        return;
+    }
 #if __CUDA_ARCH__ >= 900
     if (SPLIT > 1) {
         if (tid == 0) sumsq_part = sumsq;
@@ -303,7 +315,7 @@ template <int KPL, int SPLIT>
 __device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
     griddep_launch_dependents();
     griddep_wait(); // cursor, projections and state come from earlier kernels
-    deltanet_decode_item<KPL, SPLIT, false>(p, blockIdx.x);
+    deltanet_decode_item<KPL, SPLIT, DN_OUT_NORMED>(p, blockIdx.x);
 }
 
 #ifndef PHASES_ONLY // decode_layer.cu compiles this file for its device functions only
@@ -328,6 +340,23 @@ DN_KERNEL_SPLIT(4)
 DN_KERNEL_SPLIT(8)
 static_assert(DN_SPLIT == 8, "the kernel names say split8");
 #endif
+// deltanet_decode_kplN_split8_parts: the same 8 blocks per head, no cluster (any device): y ←
+// w·o·silu(z) and the blocks' Σo² parts (DN_OUT_PARTS); the out-projection finishes the norm.
+template <int KPL>
+__device__ __forceinline__ void deltanet_decode_parts_body(const DeltaNetParams& p) {
+    griddep_launch_dependents();
+    griddep_wait(); // cursor, projections and state come from earlier kernels
+    deltanet_decode_item<KPL, DN_SPLIT, DN_OUT_PARTS>(p, blockIdx.x);
+}
+#define DN_KERNEL_PARTS(KPL) \
+    extern "C" __global__ void __launch_bounds__(DN_THREADS, DN_MIN_BLOCKS_SPLIT(KPL)) \
+        deltanet_decode_kpl##KPL##_split8_parts(const DeltaNetParams p) { \
+        deltanet_decode_parts_body<KPL>(p); \
+    }
+DN_KERNEL_PARTS(1)
+DN_KERNEL_PARTS(2)
+DN_KERNEL_PARTS(4)
+DN_KERNEL_PARTS(8)
 #endif // PHASES_ONLY
 static_assert(DN_WARPS * DN_PREFETCH_COLS >= (DN_MAX_DV + DN_SPLIT - 1) / DN_SPLIT,
               "with SPLIT = 8 every owned column is prefetched");

@@ -95,10 +95,11 @@ __device__ __forceinline__ void tc_stage_word(int wi, bool valid, const float (&
 
 // One chunk (128 columns, chunk kc of the B registers) of rows g and g + 8: 8 mmas from their codes
 // (r0, r8) and the fold into acc0, acc1 with the lane's group's (scale, bias) sb0, sb1 (lanes c = 0, 1
-// hold the chunk's two groups; lanes c = 2, 3 compute values nobody reads).
+// hold the chunk's two groups; lanes c = 2, 3 compute values nobody reads), times `scale` (the
+// chunk's input scale: 1, or the DeltaNet head norm's).
 __device__ __forceinline__ void tc_chunk(const uint4& r0, const uint4& r8, u32 sb0, u32 sb1, const uint4* bfrag,
                                          const float* gsum, int kc, bool b_live, int g, int c, float& acc0,
-                                         float& acc1) {
+                                         float& acc1, float scale = 1.0f) {
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const u32 wg[4] = {r0.x, r0.y, r0.z, r0.w};
     const u32 wg8[4] = {r8.x, r8.y, r8.z, r8.w};
@@ -115,8 +116,8 @@ __device__ __forceinline__ void tc_chunk(const uint4& r0, const uint4& r8, u32 s
     }
     const float sx = gsum[2 * kc + (c & 1)];
     const float s0 = 16.0f * bf16_lo(sb0), s1 = 16.0f * bf16_lo(sb1);
-    acc0 += fmaf(s0, d[0] + d[1], (bf16_hi(sb0) - s0) * sx);
-    acc1 += fmaf(s1, d[2] + d[3], (bf16_hi(sb1) - s1) * sx);
+    acc0 += scale * fmaf(s0, d[0] + d[1], (bf16_hi(sb0) - s0) * sx);
+    acc1 += scale * fmaf(s1, d[2] + d[3], (bf16_hi(sb1) - s1) * sx);
 }
 
 // What the body below needs to know about one kind of product (a "map"): how many 16-row tiles,
@@ -125,15 +126,50 @@ __device__ __forceinline__ void tc_chunk(const uint4& r0, const uint4& r8, u32 s
 // warp w's share of row r). `prologue` runs in every thread once x's loads are issued (what it writes
 // to shared memory is published by the x barrier).
 
-// Plain matvec: y_seg (+)= W_seg·x̂ over up to 4 stacked segments.
-struct MatvecMap {
+// The plain matvec's parameters: matvec.cu's, and for matvec_tc_headnorm_q4_c* the end of the Gated
+// DeltaNet's output norm (the DeltaNet out-projection): deltanet.cu's `_parts` kernels leave x =
+// w·o·silu(z) and, after its K values, `nparts` sums of o² per head (one per block of the head); here
+// W·x̂ with x̂[i] = x_i/√(Σ parts of i's head / head_dim + eps) is Σ over chunks of 128 columns (each
+// inside one head: head_dim % 128 == 0) of the chunk's scale times its products. The head's blocks
+// there could only add their parts through a thread-block cluster (its barrier cost 1.8 µs of the
+// kernel's 6.8 per launch, measured). The parts are read per warp (its CW chunks' heads, one 128-byte
+// line) after the weights are on their way, not in the x prologue: read there, by every thread, they
+// cost the kernel 2.5 µs (measured), and z with the norm weight there 1.8 µs.
+struct TcMatvecParams {
+    MatvecParams m;
+    u64 head_parts; // [K / head_dim, nparts] Σo² parts
+    u64 pad0;
+    int head_dim;   // Dv, a multiple of 128
+    int nparts;     // ≤ 8
+};
+
+// Plain matvec: y_seg (+)= W_seg·x̂ over up to 4 stacked segments; HEAD_NORM: the DeltaNet head norm.
+template <bool HN>
+struct MatvecMapT {
+    static constexpr bool HEAD_NORM = HN;
     const MatvecParams& p;
+    const TcMatvecParams& tp;
     __device__ int tiles() const { return (p.total_rows + 15) >> 4; }
     __device__ u64 x() const { return p.x; }
     __device__ u64 norm_gain() const { return p.norm_gain; }
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.K; }
     __device__ void prologue() const {}
+    // The input scales of this warp's CW chunks (HEAD_NORM): lane 8·ch + q reads part q of chunk ch's
+    // head, the 8 lanes add them in a fixed tree (the same sum in every warp and block).
+    template <int CW>
+    __device__ void chunk_scales(int warp, int lane, float (&sc)[CW]) const {
+        const int ch = lane >> 3, q = lane & 7;
+        float v = 0.0f;
+        if (ch < CW && q < tp.nparts)
+            v = ldcg_f32((const float*)tp.head_parts + (i64)((warp * CW + ch) * 128 / tp.head_dim) * tp.nparts + q);
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+#pragma unroll
+        for (int c = 0; c < CW; ++c)
+            sc[c] = 1.0f / sqrtf(__shfl_sync(0xffffffffu, v, 8 * c) / (float)tp.head_dim + p.eps);
+    }
     __device__ void row(int t, int r, const u8*& data, const u8*& prm) const {
         int seg, local;
         matvec_locate(p, min(16 * t + r, p.total_rows - 1), seg, local); // past the end: the last row again
@@ -184,6 +220,9 @@ struct GateUpMap {
     __device__ u64 norm_gain() const { return p.norm_gain; }
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.D; }
+    static constexpr bool HEAD_NORM = false;
+    template <int CW>
+    __device__ void chunk_scales(int, int, float (&)[CW]) const {}
     __device__ void prologue() const {
         if (r.logits) {
             const float gate_logit = route_load_logits(r, sel->sl);
@@ -330,6 +369,10 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     }
     __syncthreads();
     LAB_STAMP(2);
+    float chunk_scale[CW]; // 1, or the DeltaNet head norm's (read while the first tiles load)
+#pragma unroll
+    for (int ch = 0; ch < CW; ++ch) chunk_scale[ch] = 1.0f;
+    if constexpr (Map::HEAD_NORM) map.template chunk_scales<CW>(warp, lane, chunk_scale);
 
     // Lanes g < 4 carry B's columns: g = 0, 1 the hi and lo parts of the chunk's first group (lanes
     // c = 0, 1 hold its columns), g = 2, 3 of the second (c = 2, 3); every other lane gives zeros.
@@ -345,7 +388,8 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         for (int ch = 0; ch < CW; ++ch) {
             const bool odd = c & 1; // a select, not a run-time index (that would put pr in local memory)
             const u32 sb0 = odd ? pr[0][2 * ch + 1] : pr[0][2 * ch], sb1 = odd ? pr[1][2 * ch + 1] : pr[1][2 * ch];
-            tc_chunk(cd[ch][0], cd[ch][1], sb0, sb1, bfrag, gsum, warp * CW + ch, b_live, g, c, acc0, acc1);
+            tc_chunk(cd[ch][0], cd[ch][1], sb0, sb1, bfrag, gsum, warp * CW + ch, b_live, g, c, acc0, acc1,
+                     chunk_scale[ch]);
         }
         // lanes c = 0 and 1 hold the two groups of each chunk: their sum is the warp's share
         acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
@@ -388,7 +432,11 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 #endif
 #define MTC_KERNELS(CW, NB) \
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c##CW(const MatvecParams p) { \
-        tc_body<CW, NB>(MatvecMap{p}); \
+        const TcMatvecParams none{}; \
+        tc_body<CW, NB>(MatvecMapT<false>{p, none}); \
+    } \
+    extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_headnorm_q4_c##CW(const TcMatvecParams p) { \
+        tc_body<CW, NB>(MatvecMapT<true>{p.m, p}); \
     } \
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c##CW(const TcGateUpParams p) { \
         __shared__ int expert[MOE_MAX_A + 1]; \
@@ -520,4 +568,5 @@ LAB_STAMPS_COPY(matvec_tc_lab_stamps)
 static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");
 static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
 static_assert(sizeof(TcGateUpParams) == 176, "TcGateUpParams layout differs from its Rust twin");
+static_assert(sizeof(TcMatvecParams) == 256, "TcMatvecParams layout differs from its Rust twin");
 static_assert(sizeof(DownParams) == 136, "DownParams layout differs from its Rust twin");

@@ -132,6 +132,33 @@ pub fn decode_split(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo, split: u32) ->
     )
 }
 
+/// The decode step with [`SPLIT`] blocks per value head and no cluster, leaving w·o·silu(z) in
+/// `io.y` and after it the blocks' Σo² parts [Hv, SPLIT]: the out-projection finishes the gated
+/// RMSNorm in its prologue (matvec::matvec_head_norm). Where that applies it is the default
+/// (`CALLA_DN_NORM=deltanet` keeps the whole norm here, in a cluster).
+pub fn decode_parts(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo) -> Result<Launch> {
+    check_dims(spec)?;
+    let p = params(spec, io);
+    let name = format!(
+        "deltanet_decode_kpl{}_split{SPLIT}_parts",
+        spec.linear_key_head_dim / 32
+    );
+    Launch::new(
+        gpu,
+        &name,
+        (spec.linear_num_value_heads as u32 * SPLIT, 1, 1),
+        THREADS,
+        0,
+        &p,
+    )
+}
+
+/// Whether the DeltaNet output norm may move to the out-projection (not with
+/// `CALLA_DN_NORM=deltanet`, which keeps it in the decode kernel, to compare).
+pub fn norm_in_out_projection() -> bool {
+    std::env::var("CALLA_DN_NORM").as_deref() != Ok("deltanet")
+}
+
 /// The decode step's parameters (also phase 2 of the persistent decode layer); the dims must have
 /// passed [`check_dims`].
 pub fn params(spec: &ModelSpec, io: &DeltaNetIo) -> DeltaNetParams {

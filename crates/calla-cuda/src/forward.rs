@@ -149,7 +149,10 @@ impl Scratch {
             dn_z: f32s(spec.linear_value_dim())?,
             dn_b: f32s(spec.linear_num_value_heads)?,
             dn_a: f32s(spec.linear_num_value_heads)?,
-            dn_y: f32s(spec.linear_value_dim())?,
+            // y, then the DeltaNet norm's Σo² parts per block (deltanet::decode_parts)
+            dn_y: f32s(
+                spec.linear_value_dim() + spec.linear_num_value_heads * deltanet::SPLIT as usize,
+            )?,
             at_qg: f32s(spec.q_proj_rows())?,
             at_k: f32s(spec.kv_dim())?,
             at_v: f32s(spec.kv_dim())?,
@@ -230,32 +233,52 @@ pub fn mixer_launches(
                 &segs,
                 false,
             )?);
-            out.push(deltanet::decode(
-                gpu,
-                spec,
-                &DeltaNetIo {
-                    qkv: s.dn_qkv,
-                    z: s.dn_z,
-                    b: s.dn_b,
-                    a: s.dn_a,
-                    conv_w: w.conv_w,
-                    a_log: w.a_log,
-                    dt_bias: w.dt_bias,
-                    norm_w: w.norm_w,
-                    cursor: s.cursor,
-                    conv_off,
-                    state_off,
-                    y: s.dn_y,
-                },
-            )?);
-            out.extend(matvec::matvec(
-                gpu,
-                s.dn_y,
-                spec.linear_value_dim(),
-                None,
-                &[(w.out_proj, s.h)],
-                true,
-            )?);
+            let io = DeltaNetIo {
+                qkv: s.dn_qkv,
+                z: s.dn_z,
+                b: s.dn_b,
+                a: s.dn_a,
+                conv_w: w.conv_w,
+                a_log: w.a_log,
+                dt_bias: w.dt_bias,
+                norm_w: w.norm_w,
+                cursor: s.cursor,
+                conv_off,
+                state_off,
+                y: s.dn_y,
+            };
+            let kv = spec.linear_value_dim();
+            let head_norm = matvec::HeadNorm {
+                head_dim: spec.linear_value_head_dim,
+                nparts: deltanet::SPLIT as usize,
+                eps: spec.rms_norm_eps,
+            };
+            let engine = matvec::DotEngine::default_for_run();
+            if deltanet::norm_in_out_projection()
+                && matvec::head_norm_applies(engine, kv, head_norm, &w.out_proj)
+            {
+                // the norm's Σo² parts per block, finished in the out-projection (no
+                // cluster in DeltaNet)
+                out.push(deltanet::decode_parts(gpu, spec, &io)?);
+                out.push(matvec::matvec_head_norm(
+                    gpu,
+                    s.dn_y,
+                    kv,
+                    head_norm,
+                    &(w.out_proj, s.h),
+                    true,
+                )?);
+            } else {
+                out.push(deltanet::decode(gpu, spec, &io)?);
+                out.extend(matvec::matvec(
+                    gpu,
+                    s.dn_y,
+                    kv,
+                    None,
+                    &[(w.out_proj, s.h)],
+                    true,
+                )?);
+            }
         }
         DevMixer::Attention(w) => {
             out.extend(attention_core_launches(gpu, spec, model, layout, s, i)?);

@@ -130,6 +130,74 @@ pub fn matvec_on(
     Ok(launches)
 }
 
+/// The parameters of the tensor-core matvec with the DeltaNet head norm (matvec_tc.cu
+/// TcMatvecParams, matvec_tc_headnorm_q4_c*): matvec.cu's and the [`HeadNorm`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TcMatvecParams {
+    pub m: MatvecParams,
+    pub head_parts: u64,
+    pub pad0: u64,
+    pub head_dim: i32,
+    pub nparts: i32,
+}
+
+/// The end of the Gated DeltaNet's output norm, applied to the out-projection's input: the input
+/// holds w·o·silu(z) for heads of `head_dim`, followed by `nparts` sums of o² per head
+/// (deltanet.cu's `_parts` kernels); x̂ = x/√(Σ parts / head_dim + eps), applied per chunk of 128
+/// columns to the chunk's products.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadNorm {
+    pub head_dim: usize,
+    pub nparts: usize,
+    pub eps: f32,
+}
+
+/// Whether [`matvec_head_norm`] takes an out-projection `m` of `k` inputs: the tensor-core kernel
+/// (q4 in groups of 64, K 1024·{1, 2, 4}) and heads of a multiple of 128 (a chunk inside one head)
+/// with ≤ 8 parts.
+pub fn head_norm_applies(engine: DotEngine, k: usize, norm: HeadNorm, m: &DevMatrix) -> bool {
+    engine == DotEngine::TensorCores
+        && tensor_core_format(m)
+        && m.cols == k
+        && matches!(k, 1024 | 2048 | 4096)
+        && norm.head_dim.is_multiple_of(128)
+        && k.is_multiple_of(norm.head_dim)
+        && (1..=8).contains(&norm.nparts)
+}
+
+/// `y (+)= W·x̂` on the tensor cores with the [`HeadNorm`] (see [`head_norm_applies`]); x holds `k`
+/// values and then the parts.
+pub fn matvec_head_norm(
+    gpu: &Gpu,
+    x: DPtr,
+    k: usize,
+    norm: HeadNorm,
+    segment: &(DevMatrix, DPtr),
+    accumulate: bool,
+) -> Result<Launch> {
+    ensure!(
+        head_norm_applies(DotEngine::TensorCores, k, norm, &segment.0),
+        "matvec with the head norm: the tensor-core kernel does not take K {k}, {norm:?}, {:?}",
+        segment.0.format
+    );
+    let mut p = params(x, k, None, &[segment], accumulate)?;
+    p.eps = norm.eps;
+    let name = format!("matvec_tc_headnorm_q4_c{}", k / 1024);
+    let smem = (4 * k + k / 16) as u32;
+    let resident = gpu.resident_blocks(&name, THREADS, smem)?;
+    let tiles = (p.total_rows as usize).div_ceil(16);
+    let grid = tiles.min(gpu.sm_count as usize * resident).max(1);
+    let tp = TcMatvecParams {
+        m: p,
+        head_parts: x.offset(4 * k).0,
+        pad0: 0,
+        head_dim: norm.head_dim as i32,
+        nparts: norm.nparts as i32,
+    };
+    Launch::new(gpu, &name, (grid as u32, 1, 1), THREADS, smem, &tp)
+}
+
 /// Which dot-product engine a q4 matvec runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DotEngine {

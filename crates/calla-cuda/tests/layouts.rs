@@ -9,6 +9,7 @@ fn parameter_structs_match_the_kernels() {
     let sizes = [
         ("MatrixRef", size_of::<weights::MatrixRef>(), 32),
         ("MatvecParams", size_of::<matvec::MatvecParams>(), 232),
+        ("TcMatvecParams", size_of::<matvec::TcMatvecParams>(), 256),
         ("EmbedParams", size_of::<matvec::EmbedParams>(), 64),
         ("DeltaNetParams", size_of::<deltanet::DeltaNetParams>(), 128),
         (

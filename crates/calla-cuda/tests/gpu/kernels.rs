@@ -355,8 +355,11 @@ fn run_deltanet_mixer(
     let cs = seq.as_any().downcast_ref::<CudaSequence>().unwrap();
     gpu.htod(be.scratch.h, x).unwrap();
     be.set_cursor(cs, pos, 0).unwrap();
+    // the kernel's own norm (the engine moves it to the out-projection where that applies)
+    std::env::set_var("CALLA_DN_NORM", "deltanet");
     let mut launches =
         forward::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap();
+    std::env::remove_var("CALLA_DN_NORM");
     let DevMixer::DeltaNet(w) = &be.model.layers[layer].mixer else {
         unreachable!()
     };
