@@ -83,10 +83,11 @@ __device__ u64 lab_stamp_buf[LAB_BLOCKS * 8 * LAB_EVENTS];
 __shared__ int lab_on; // set by the kernels that stamp (LAB_ON): only their launches write stamps
 #define LAB_ON(cond) do { if (threadIdx.x == 0) lab_on = (cond); __syncthreads(); } while (0)
 __device__ __forceinline__ void lab_stamp(int event) {
-    if (lab_on && (threadIdx.x & 31) == 0 && blockIdx.x < LAB_BLOCKS && threadIdx.x < 256) {
+    const int b = blockIdx.x + blockIdx.y * gridDim.x; // 2-D grids (gate/up, attention) too
+    if (lab_on && (threadIdx.x & 31) == 0 && b < LAB_BLOCKS && threadIdx.x < 256) {
         u64 c;
         asm volatile("mov.u64 %0, %%clock64;" : "=l"(c));
-        lab_stamp_buf[((i64)blockIdx.x * 8 + (threadIdx.x >> 5)) * LAB_EVENTS + event] = c;
+        lab_stamp_buf[((i64)b * 8 + (threadIdx.x >> 5)) * LAB_EVENTS + event] = c;
     }
 }
 #define LAB_STAMP(e) lab_stamp(e)

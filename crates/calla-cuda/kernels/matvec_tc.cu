@@ -144,9 +144,17 @@ struct TcMatvecParams {
 };
 
 // Plain matvec: y_seg (+)= W_seg·x̂ over up to 4 stacked segments; HEAD_NORM: the DeltaNet head norm.
+// Lab (LAB_STAMPS): which kernels stamp; MTC_LAB_GATE_UP_ONLY leaves the stamps to the MoE gate/up
+// (the step's last matvec_tc launch is otherwise the lm_head).
+#if defined(MTC_LAB_GATE_UP_ONLY)
+#define MTC_LAB_MATVEC 0
+#else
+#define MTC_LAB_MATVEC 1
+#endif
 template <bool HN>
 struct MatvecMapT {
     static constexpr bool HEAD_NORM = HN;
+    static constexpr int LAB = MTC_LAB_MATVEC;
     const MatvecParams& p;
     const TcMatvecParams& tp;
     __device__ int tiles() const { return (p.total_rows + 15) >> 4; }
@@ -154,6 +162,7 @@ struct MatvecMapT {
     __device__ u64 norm_gain() const { return p.norm_gain; }
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.K; }
+    __device__ u64 lab_base() const { return p.seg[0].m.data; }
     __device__ void prologue() const {}
     // The input scales of this warp's CW chunks (HEAD_NORM): lane 8·ch + q reads part q of chunk ch's
     // head, the 8 lanes add them in a fixed tree (the same sum in every warp and block).
@@ -220,7 +229,9 @@ struct GateUpMap {
     __device__ u64 norm_gain() const { return p.norm_gain; }
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.D; }
+    __device__ u64 lab_base() const { return p.experts.data ? p.experts.data : p.shared.data; }
     static constexpr bool HEAD_NORM = false;
+    static constexpr int LAB = 1;
     template <int CW>
     __device__ void chunk_scales(int, int, float (&)[CW]) const {}
     __device__ void prologue() const {
@@ -271,8 +282,14 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     const int tiles = map.tiles();
     // the grid may be 2-D (gate/up: (blocks, slots)); the tiles are spread over all its blocks
     const int block = blockIdx.x + blockIdx.y * gridDim.x, nblocks = gridDim.x * gridDim.y;
+#if defined(MTC_LAB_SPREAD_X) // lab: x and its gain read from 32 different places (wrong results): what the
+    // hot spot of every block reading the same few KB costs
+    const u64 lab_base = map.lab_base() + (u64)(block % 32) * 65536 + 4096;
+    const u64 px = lab_base, pgain = map.norm_gain() ? lab_base + 4 * map.K() : 0;
+#else
     const u64 px = map.x(), pgain = map.norm_gain();
-    LAB_ON(1);
+#endif
+    LAB_ON(Map::LAB);
     LAB_STAMP(0);
     // Programmatic dependent launch (graph.rs, CALLA_PDL=1): the next kernel may start launching now,
     // and nothing a predecessor writes is read before the wait; no-ops in an ordinary launch.
@@ -299,6 +316,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     }
 
     map.prologue(); // while x is on its way (gate/up: the routing)
+    LAB_STAMP(7);
 
     // The loads of one tile for this lane: codes of rows g, g + 8 in the warp's CW chunks, and the
     // (scale, bias) pairs of the 2·CW groups they span (one 8·CW-byte load per row; lane c uses

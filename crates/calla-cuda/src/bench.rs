@@ -590,6 +590,20 @@ pub fn lab_stamp_intervals(
     kernel: &str,
     names: &[&str],
 ) -> Result<Vec<(String, f64, f64, usize)>> {
+    let pairs: Vec<(usize, usize, &str)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (i, i + 1, *n))
+        .collect();
+    lab_stamp_pairs(gpu, kernel, &pairs)
+}
+
+/// [`lab_stamp_intervals`] for chosen pairs of stamps (a → b, name).
+pub fn lab_stamp_pairs(
+    gpu: &Arc<Gpu>,
+    kernel: &str,
+    pairs: &[(usize, usize, &str)],
+) -> Result<Vec<(String, f64, f64, usize)>> {
     const BLOCKS: usize = 512;
     const EVENTS: usize = 8;
     let mhz = gpu.clock_mhz()?;
@@ -600,10 +614,10 @@ pub fn lab_stamp_intervals(
     let mut st = vec![0u64; BLOCKS * 8 * EVENTS];
     gpu.dtoh(buf, &mut st)?;
     let mut out = Vec::new();
-    for (i, name) in names.iter().enumerate() {
+    for &(a, b, name) in pairs {
         let mut v: Vec<f64> = (0..BLOCKS * 8)
             .filter_map(|w| {
-                let (x, y) = (st[w * EVENTS + i], st[w * EVENTS + i + 1]);
+                let (x, y) = (st[w * EVENTS + a], st[w * EVENTS + b]);
                 (x != 0 && y > x && y - x < 1 << 24).then(|| (y - x) as f64 / mhz)
             })
             .collect();
@@ -638,6 +652,14 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
         "→ slice merged / group merged",
         "→ (ticketed) final merge",
     ];
+    let tc: &[&str] = &[
+        "entry → x in, weights requested",
+        "→ x̂ staged (barrier)",
+        "→ first tile's codes arrived",
+        "→ first tile computed",
+        "→ its row sums (barrier)",
+        "→ kernel end",
+    ];
     let mut out = String::new();
     for (kernel, what, names) in [
         (
@@ -646,6 +668,11 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
             rows,
         ),
         ("moe_lab_stamps", "moe down (last layer)", rows),
+        (
+            "matvec_tc_lab_stamps",
+            "tensor-core products (the last launch; MTC_LAB_GATE_UP_ONLY: the last MoE gate/up)",
+            tc,
+        ),
         (
             "attn_lab_stamps",
             "attention decode (last attention layer, kv head 0)",
@@ -656,6 +683,14 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
             &format!("lab stamps, {what}: µs per warp (SM clock at {mhz:.0} MHz), median / max\n");
         for (name, median, max, warps) in lab_stamp_intervals(gpu, kernel, names)? {
             out += &format!("  {name:<34} {median:7.2} {max:7.2}  ({warps} warps)\n");
+        }
+        if kernel == "matvec_tc_lab_stamps" {
+            // stamp 7: after the map's prologue (gate/up: the routing), between 0 and 1
+            for (name, median, max, warps) in
+                lab_stamp_pairs(gpu, kernel, &[(0, 7, "entry → prologue done (routing)")])?
+            {
+                out += &format!("  {name:<34} {median:7.2} {max:7.2}  ({warps} warps)\n");
+            }
         }
     }
     Ok(out)
