@@ -8,7 +8,7 @@
 use anyhow::Result;
 use calla_model::ModelSpec;
 
-use crate::deltanet::{self, DeltaNetIo, DeltaNetParams};
+use crate::deltanet::{self, DeltaNetParams};
 use crate::forward::{Scratch, StateLayout};
 use crate::gpu::{DPtr, Gpu, Launch};
 use crate::matvec::{self, MatvecParams};
@@ -175,7 +175,6 @@ pub fn layer_launches(
             {
                 return Ok(None);
             }
-            let (conv_off, state_off) = layout.layers[i];
             let segs: Vec<(DevMatrix, DPtr)> = dw
                 .in_proj
                 .iter()
@@ -184,23 +183,9 @@ pub fn layer_launches(
                 .collect();
             let seg_refs: Vec<&(DevMatrix, DPtr)> = segs.iter().collect();
             p.in_proj = matvec::params(s.h, d, Some((layer.input_gain, eps)), &seg_refs, false)?;
-            p.dn = deltanet::params(
-                spec,
-                &DeltaNetIo {
-                    qkv: s.dn_qkv,
-                    z: s.dn_z,
-                    b: s.dn_b,
-                    a: s.dn_a,
-                    conv_w: dw.conv_w,
-                    a_log: dw.a_log,
-                    dt_bias: dw.dt_bias,
-                    norm_w: dw.norm_w,
-                    cursor: s.cursor,
-                    conv_off,
-                    state_off,
-                    y: s.dn_y,
-                },
-            );
+            let io = crate::forward::deltanet_io(model, layout, s, i)
+                .ok_or_else(|| anyhow::anyhow!("layer {i} is not a DeltaNet layer"))?;
+            p.dn = deltanet::params(spec, &io);
             p.out_proj = matvec::params(s.dn_y, value_dim, None, &[&(dw.out_proj, s.h)], true)?;
             p.first_phase = 1;
             p.gated = 1;

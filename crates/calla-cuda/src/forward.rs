@@ -222,7 +222,6 @@ pub fn mixer_launches(
     let mut out = Vec::new();
     match &layer.mixer {
         DevMixer::DeltaNet(w) => {
-            let (conv_off, state_off) = layout.layers[i];
             let outs = [s.dn_qkv, s.dn_z, s.dn_b, s.dn_a];
             let segs: Vec<_> = w.in_proj.iter().copied().zip(outs).collect();
             out.extend(matvec::matvec(
@@ -233,20 +232,8 @@ pub fn mixer_launches(
                 &segs,
                 false,
             )?);
-            let io = DeltaNetIo {
-                qkv: s.dn_qkv,
-                z: s.dn_z,
-                b: s.dn_b,
-                a: s.dn_a,
-                conv_w: w.conv_w,
-                a_log: w.a_log,
-                dt_bias: w.dt_bias,
-                norm_w: w.norm_w,
-                cursor: s.cursor,
-                conv_off,
-                state_off,
-                y: s.dn_y,
-            };
+            let io = deltanet_io(model, layout, s, i)
+                .ok_or_else(|| anyhow::anyhow!("layer {i} is not a DeltaNet layer"))?;
             let kv = spec.linear_value_dim();
             let head_norm = matvec::HeadNorm {
                 head_dim: spec.linear_value_head_dim,
@@ -353,6 +340,33 @@ pub fn attention_core_launches(
         }
     }
     Ok(out)
+}
+
+/// The DeltaNet decode step's device buffers for layer `i` (None for an attention layer).
+pub fn deltanet_io(
+    model: &DevModel,
+    layout: &StateLayout,
+    s: &Scratch,
+    i: usize,
+) -> Option<DeltaNetIo> {
+    let DevMixer::DeltaNet(w) = &model.layers[i].mixer else {
+        return None;
+    };
+    let (conv_off, state_off) = layout.layers[i];
+    Some(DeltaNetIo {
+        qkv: s.dn_qkv,
+        z: s.dn_z,
+        b: s.dn_b,
+        a: s.dn_a,
+        conv_w: w.conv_w,
+        a_log: w.a_log,
+        dt_bias: w.dt_bias,
+        norm_w: w.norm_w,
+        cursor: s.cursor,
+        conv_off,
+        state_off,
+        y: s.dn_y,
+    })
 }
 
 /// The MoE (or dense MLP) step's device buffers for layer `i`.

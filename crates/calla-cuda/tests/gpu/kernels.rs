@@ -4,12 +4,12 @@ use calla_cpu::attention::{Attention, KvCache};
 use calla_cpu::deltanet::{DeltaNet, DeltaNetState, Rule};
 use calla_cpu::linear::Linear;
 use calla_cpu::moe::FeedForward;
-use calla_cuda::deltanet::{self, DeltaNetIo};
+use calla_cuda::deltanet;
 use calla_cuda::forward;
 use calla_cuda::matvec::{self, DotEngine};
 use calla_cuda::pool::Arena;
 use calla_cuda::sequence::CudaSequence;
-use calla_cuda::weights::{DevMixer, Uploader};
+use calla_cuda::weights::Uploader;
 use calla_cuda::{CudaBackend, CudaOptions, KvDtype};
 use calla_engine::Backend;
 use calla_model::load::Quant;
@@ -360,25 +360,8 @@ fn run_deltanet_mixer(
     let mut launches =
         forward::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap();
     std::env::remove_var("CALLA_DN_NORM");
-    let DevMixer::DeltaNet(w) = &be.model.layers[layer].mixer else {
-        unreachable!()
-    };
-    let (conv_off, state_off) = be.layout.layers[layer];
-    let s = &be.scratch;
-    let io = DeltaNetIo {
-        qkv: s.dn_qkv,
-        z: s.dn_z,
-        b: s.dn_b,
-        a: s.dn_a,
-        conv_w: w.conv_w,
-        a_log: w.a_log,
-        dt_bias: w.dt_bias,
-        norm_w: w.norm_w,
-        cursor: s.cursor,
-        conv_off,
-        state_off,
-        y: s.dn_y,
-    };
+    let io =
+        forward::deltanet_io(&be.model, &be.layout, &be.scratch, layer).expect("a DeltaNet layer");
     let at = launches
         .iter()
         .position(|l| l.name.starts_with("deltanet_decode"))
