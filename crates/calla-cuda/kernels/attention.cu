@@ -28,6 +28,8 @@
 //   order into the group's first slot; the last group merger of the kv head (ticket per kv head)
 //   merges the groups in group order, divides by Σl, applies the output gate and writes y. With
 //   one group the group merger writes y directly. Each warp merges its own q head.
+//   attn_decode_bf16_bar (the default for the bf16 cache when the whole grid fits at once) merges
+//   after one barrier among a kv head's splits instead, each split a slice (attn_barrier_merge).
 // Dynamic smem: G·Dh·4 (q) + 2·Dh·4 (k, v of p) + max(TILE·(Dh+pad)·elt (K) + TILE·Dh·elt (V),
 // G·ATTN_MAX_MERGE·4 (merge weights, after the tiles are done)).
 // Bytes per token: K and V of p positions (2·Hkv·Dh·elt each) + partials (2× S·Hq·Dh·4, L2).

@@ -21,6 +21,9 @@
 //     distributed shared memory: each block publishes its partial, and after a cluster barrier every
 //     block adds the 8 partials in rank order (identical total in every block, deterministic).
 //   - SPLIT = 1 elsewhere (`deltanet_decode_kplN`): one block per head, no cluster.
+//   - `deltanet_decode_kplN_split8_parts` (the default where the out-projection runs on the tensor
+//     cores): 8 blocks per head and no cluster; y ← w·o·silu(z) and each block's Σo², and the
+//     out-projection finishes the norm (DN_OUT_PARTS below, matvec_tc.cu TcMatvecParams).
 //   Every block recomputes the head's cheap prologue (conv of the key head's q/k channels, L2 norms,
 //   gates) and convolves only its own v channels. Warp w takes local columns w, w+8, …; the first
 //   DN_PREFETCH_COLS of them are read into registers (16-byte loads) right after the cursor, before
