@@ -124,7 +124,10 @@ __device__ __forceinline__ void tc_chunk(const uint4& r0, const uint4& r8, u32 s
 // where tile row r's codes and (scale, bias) start, the input vector (and its norm gain, or 0), and
 // what to do with the 16 row sums of a tile (`finish`, threads tid < 16 of the block: red[w][r] is
 // warp w's share of row r). `prologue` runs in every thread once x's loads are issued (what it writes
-// to shared memory is published by the x barrier).
+// to shared memory is published by the x barrier); `epilogue` after the block's last tile.
+// `block_offset`: grid blocks before the map's own (the fused router's). HEAD_NORM and
+// `chunk_scales`: a scale per chunk of 128 columns on its products (the DeltaNet head norm). LAB:
+// whether its launches write lab stamps.
 
 // The plain matvec's parameters: matvec.cu's, and for matvec_tc_headnorm_q4_c* the end of the Gated
 // DeltaNet's output norm (the DeltaNet out-projection): deltanet.cu's `_parts` kernels leave x =
