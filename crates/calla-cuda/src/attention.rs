@@ -180,7 +180,9 @@ const BARRIER_MAX_SPLITS: usize = 128;
 /// Whether the bf16 cache's splits merge after a barrier among the splits of a kv head
 /// (attn_decode_bf16_bar, the default) or through two ticketed levels (attn_decode_bf16;
 /// `CALLA_ATTN_MERGE=ticket`, or when not every block of the grid fits on the GPU at once: the
-/// barrier's blocks wait for each other).
+/// barrier's blocks wait for each other). The check assumes calla's one stream has the SMs to
+/// itself, as it does under time-slicing with other processes; where SMs are partitioned among
+/// processes (MPS), `CALLA_ATTN_MERGE=ticket` needs no co-residency.
 pub fn barrier_merge(gpu: &Gpu, spec: &ModelSpec, nsplit: usize) -> Result<bool> {
     if std::env::var("CALLA_ATTN_MERGE").as_deref() == Ok("ticket") || nsplit > BARRIER_MAX_SPLITS {
         return Ok(false);
