@@ -124,10 +124,8 @@ __device__ __forceinline__ void tc_chunk(const uint4& r0, const uint4& r8, u32 s
 // where tile row r's codes and (scale, bias) start, the input vector (and its norm gain, or 0), and
 // what to do with the 16 row sums of a tile (`finish`, threads tid < 16 of the block: red[w][r] is
 // warp w's share of row r). `prologue` runs in every thread once x's loads are issued (what it writes
-// to shared memory is published by the x barrier); `epilogue` after the block's last tile.
-// `block_offset`: grid blocks before the map's own (the fused router's). HEAD_NORM and
-// `chunk_scales`: a scale per chunk of 128 columns on its products (the DeltaNet head norm). LAB:
-// whether its launches write lab stamps.
+// to shared memory is published by the x barrier). HEAD_NORM and `chunk_scales`: a scale per chunk of
+// 128 columns on its products (the DeltaNet head norm). LAB: whether its launches write lab stamps.
 
 // The plain matvec's parameters: matvec.cu's, and for matvec_tc_headnorm_q4_c* the end of the Gated
 // DeltaNet's output norm (the DeltaNet out-projection): deltanet.cu's `_parts` kernels leave x =
@@ -165,10 +163,7 @@ struct MatvecMapT {
     __device__ u64 norm_gain() const { return p.norm_gain; }
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.K; }
-    __device__ u64 lab_base() const { return p.seg[0].m.data; }
-    __device__ int block_offset() const { return 0; }
     __device__ void prologue() const {}
-    __device__ void epilogue() const {}
     // The input scales of this warp's CW chunks (HEAD_NORM): lane 8·ch + q reads part q of chunk ch's
     // head, the 8 lanes add them in a fixed tree (the same sum in every warp and block).
     template <int CW>
@@ -226,8 +221,6 @@ struct GateUpMap {
     int* expert; // shared [MOE_MAX_A + 1]: the slots' experts
     const RouteParams& r;
     GateUpSelect* sel;
-    __device__ int block_offset() const { return 0; }
-    __device__ void epilogue() const {}
     __device__ int n_max() const { return max(p.A > p.slot_offset ? p.I : 0, p.Is); }
     __device__ int per_slot() const { return (n_max() + 7) >> 3; }
     __device__ int slots() const { return (int)gridDim.y; }
@@ -236,20 +229,17 @@ struct GateUpMap {
     __device__ u64 norm_gain() const { return p.norm_gain; }
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.D; }
-    __device__ u64 lab_base() const { return p.experts.data ? p.experts.data : p.shared.data; }
     static constexpr bool HEAD_NORM = false;
     static constexpr int LAB = 1;
     template <int CW>
     __device__ void chunk_scales(int, int, float (&)[CW]) const {}
-    __device__ void prologue() const { route_and_experts(blockIdx.x == 0 && blockIdx.y == 0, slots()); }
-    // The experts of the `nslots` slots into `expert` (with r.logits: selected here first; `publish`:
-    // this block also writes the ids and weights for the down kernel).
-    __device__ void route_and_experts(bool publish, int nslots) const {
+    __device__ void prologue() const {
         if (r.logits) {
             const float gate_logit = route_load_logits(r, sel->sl);
-            route_select(r, sel->sl, gate_logit, sel->id, sel->w, sel->red, sel->cand, publish);
+            route_select(r, sel->sl, gate_logit, sel->id, sel->w, sel->red, sel->cand,
+                         blockIdx.x == 0 && blockIdx.y == 0);
         }
-        for (int s = threadIdx.x; s < nslots; s += blockDim.x) {
+        for (int s = threadIdx.x; s < slots(); s += blockDim.x) {
             const int slot = s + p.slot_offset;
             expert[s] = slot >= p.A ? 0 : r.logits ? sel->id[slot] : ((const int*)p.topk_ids)[slot];
         }
@@ -290,16 +280,8 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     const int tiles = map.tiles();
     // the grid may be 2-D (gate/up: (blocks, slots)); the tiles are spread over all its blocks
-    // (the fused router and gate/up: its first blocks are the router's, the rest count from 0)
-    const int block = blockIdx.x + blockIdx.y * gridDim.x - map.block_offset();
-    const int nblocks = gridDim.x * gridDim.y - map.block_offset();
-#if defined(MTC_LAB_SPREAD_X) // lab: x and its gain read from 32 different places (wrong results): what the
-    // hot spot of every block reading the same few KB costs
-    const u64 lab_base = map.lab_base() + (u64)(block % 32) * 65536 + 4096;
-    const u64 px = lab_base, pgain = map.norm_gain() ? lab_base + 4 * map.K() : 0;
-#else
+    const int block = blockIdx.x + blockIdx.y * gridDim.x, nblocks = gridDim.x * gridDim.y;
     const u64 px = map.x(), pgain = map.norm_gain();
-#endif
     LAB_ON(Map::LAB);
     LAB_STAMP(0);
     // Programmatic dependent launch (graph.rs, CALLA_PDL=1): the next kernel may start launching now,
@@ -446,7 +428,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         }
     }
     LAB_STAMP(6);
-    map.epilogue();
 }
 
 // CW = K / 1024 chunks per warp; NB tiles in flight per warp (~64 registers of loads). Lab:
@@ -476,74 +457,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 MTC_KERNELS(1, MTC_NB_C1)
 MTC_KERNELS(2, MTC_NB_C2)
 MTC_KERNELS(4, MTC_NB_C4)
-
-// ---------------------------------------------------------------- the router and gate/up in one launch
-// matvec_tc_router_<router format>_gate_up_q4_c*: blocks [0, nrouter) are the router's row blocks
-// (moe.cu's router kernel without selection: x̂ staged, router_rows → logits, the shared-expert gate
-// row in the last of them), which then arrive at a count. The other blocks run the tensor-core
-// gate/up (numbered from 0): each stages x̂ from h itself (the norm in tc_body's prologue) while the
-// router rows run, waits until every router block of this launch has arrived, then selects
-// (GateUpMap::prologue). One kernel boundary fewer per layer, and the x̂ prologue off the chain.
-// Every block must be resident at once (the launcher checks the occupancy): gate/up blocks wait for
-// the router blocks. arrivals[0] counts the router blocks that are done, arrivals[1] the gate/up
-// blocks that are; the last of those resets both (every launch starts from zeros).
-struct RouterGateUpParams {
-    RouterParams r;    // counter 0 (no selection there)
-    TcGateUpParams gu; // g.x = h, g.norm_gain = the post-attention gain; route.logits set
-    u64 arrivals;      // u64 [2]
-    int nrouter, nslots;
-};
-struct FusedGateUpMap : GateUpMap {
-    const RouterGateUpParams& f;
-    __device__ int block_offset() const { return f.nrouter; }
-    __device__ int slots() const { return f.nslots; }
-    __device__ int tiles() const { return per_slot() * f.nslots; }
-    __device__ void prologue() const {
-        if (threadIdx.x == 0) wait_until_at_least(f.arrivals, (u64)f.nrouter); // every router block's logits
-        __syncthreads();
-        route_and_experts((int)blockIdx.x == f.nrouter, f.nslots); // the first gate/up block publishes
-    }
-    // The last gate/up block to finish (all have passed their wait by then) resets both counts for
-    // the next launch, which starts only after this one has ended.
-    __device__ void epilogue() const {
-        if (threadIdx.x != 0) return;
-        u64 old;
-        asm volatile("atom.add.relaxed.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(f.arrivals + 8) : "memory");
-        if (old + 1 == (u64)(gridDim.x - f.nrouter)) {
-            *(volatile u64*)f.arrivals = 0;
-            *(volatile u64*)(f.arrivals + 8) = 0;
-        }
-    }
-};
-template <int RFMT>
-__device__ __forceinline__ void fused_router_block(const RouterGateUpParams& f) {
-    typedef Fmt<RFMT> F;
-    extern __shared__ float4 smem4[];
-    float* xs = (float*)smem4;
-    float* usum = xs + xpad_len(f.r.D);
-    __shared__ float red[32];
-    const RouterParams& p = f.r;
-    stage_input<F::AFFINE ? F::W : 0>((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
-    router_rows<RFMT>(p, xs, usum, blockIdx.x, p.shared_gate && blockIdx.x == f.nrouter - 1);
-    __threadfence(); // this thread's logits, before the block's arrival
-    __syncthreads();
-    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(f.arrivals) : "memory");
-}
-#define MTC_FUSED_KERNEL(CW, NB, RNAME, RFMT) \
-    extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) \
-        matvec_tc_router_##RNAME##_gate_up_q4_c##CW(const RouterGateUpParams p) { \
-        __shared__ int expert[MOE_MAX_A + 1]; \
-        __shared__ GateUpSelect sel; \
-        griddep_launch_dependents(); \
-        griddep_wait(); \
-        if ((int)blockIdx.x < p.nrouter) { \
-            fused_router_block<RFMT>(p); \
-            return; \
-        } \
-        tc_body<CW, NB>(FusedGateUpMap{{p.gu.g, expert, p.gu.r, &sel}, p}); \
-    }
-MTC_FUSED_KERNEL(2, MTC_NB_C2, q8, FMT_Q8)
-MTC_FUSED_KERNEL(2, MTC_NB_C2, q4, FMT_Q4)
 
 
 // MoE down + combine + residual (moe.cu's contract, DownParams): h[r] += Σ_slots w_s·down_s[r]·act_s.
@@ -667,5 +580,4 @@ static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its
 static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
 static_assert(sizeof(TcGateUpParams) == 176, "TcGateUpParams layout differs from its Rust twin");
 static_assert(sizeof(TcMatvecParams) == 256, "TcMatvecParams layout differs from its Rust twin");
-static_assert(sizeof(RouterGateUpParams) == 320, "RouterGateUpParams layout differs from its Rust twin");
 static_assert(sizeof(DownParams) == 136, "DownParams layout differs from its Rust twin");

@@ -24,8 +24,22 @@
 // Bytes per token (real shape, q4): router E·D·(8 bits) + 9·3·I·D·4.5 bits ≈ 15.9 MB per layer.
 
 #define MOE_THREADS 256
+#define ROUTER_ROWS 2 // router rows per lane group
 
-// RouterParams (shared with matvec_tc.cu's fused router and gate/up): common.cuh.
+struct RouterParams {
+    u64 h;           // [D]
+    u64 norm_gain;   // [D] = 1 + post_attention_layernorm
+    MatrixRef router;// [E, D]
+    u64 shared_gate; // [D] f32, or 0
+    u64 xn;          // out [D]: x̂ for the expert kernels
+    u64 logits;      // scratch [E + 1]: router logits, then the shared-expert gate's
+    u64 topk_ids;    // out [A] i32
+    u64 topk_w;      // out [A] f32
+    u64 shared_w;    // out [1] f32: sigmoid(shared gate logit), 1 without a gate
+    u64 counter;     // u32 ticket, 0 between launches; or 0: no selection here (matvec_tc.cu's gate/up selects)
+    int D, E, A, norm_topk, group_size;
+    float eps;
+};
 
 // Where the router's selection goes (the ticket kernel's last block, or every block of the
 // tensor-core gate/up: common.cuh route_select).
@@ -52,7 +66,38 @@ __device__ __forceinline__ void route(const RouterParams& p, float4* sl4, int* s
     route_select(r, (float*)sl4, gate_logit, sel_id, sel_p, red, (float2*)cand4, publish);
 }
 
-// router_rows (shared with matvec_tc.cu): common.cuh.
+// Router rows [item·rows_per_block, …) of this block's lane groups into logits (or, for the gate block,
+// the shared-expert gate row into logits[E]), from x̂ in shared memory.
+template <int FMT>
+__device__ __forceinline__ void router_rows(const RouterParams& p, const float* xs, const float* usum, int item,
+                                            bool gate_block) {
+    typedef Fmt<FMT> F;
+    const int units = p.D / F::W, width = lanes_per_row(units);
+    const int group = threadIdx.x / width, lane = threadIdx.x % width;
+    const int rows_per_block = blockDim.x / width * ROUTER_ROWS;
+    float* logits = (float*)p.logits;
+    if (!gate_block) {
+        const int row0 = item * rows_per_block + group * ROUTER_ROWS;
+        RowPtr rows[ROUTER_ROWS];
+#pragma unroll
+        for (int i = 0; i < ROUTER_ROWS; ++i) rows[i] = row_ptr(p.router, min(row0 + i, p.E - 1));
+        float acc[ROUTER_ROWS] = {};
+        if (row0 < p.E) // uniform across the lane group
+            rows_dot<FMT, ROUTER_ROWS, 4>(rows, xs, usum, units, lane, width,
+                                          F::AFFINE ? p.group_size / F::W : 1, acc);
+#pragma unroll
+        for (int i = 0; i < ROUTER_ROWS; ++i) {
+            const float v = group_sum(acc[i], width);
+            if (lane == 0 && row0 + i < p.E) logits[row0 + i] = v;
+        }
+    } else if (threadIdx.x < 32) { // the shared-expert gate row (f32), one warp
+        const float* sg = (const float*)p.shared_gate;
+        float acc = 0.0f;
+        for (int i = threadIdx.x; i < p.D; i += 32) acc = fmaf(sg[i], xs[xpad(i)], acc);
+        acc = warp_sum(acc);
+        if (threadIdx.x == 0) logits[p.E] = acc;
+    }
+}
 
 template <int FMT>
 __device__ __forceinline__ void router_body(const RouterParams& p) {

@@ -100,8 +100,6 @@ pub struct Scratch {
     pub topk_w: DPtr,
     pub shared_w: DPtr,
     pub router_counter: DPtr,
-    /// u64 [2]: the fused router and gate/up's arrival counts (moe::MoeIo::arrivals)
-    pub moe_arrivals: DPtr,
     /// the persistent decode layer's grid barrier (two zeroed u64 words)
     pub layer_sync: crate::grid_sync::GridSync,
     pub act: DPtr,
@@ -170,7 +168,6 @@ impl Scratch {
             topk_w: f32s(a)?,
             shared_w: f32s(1)?,
             router_counter: f32s(1)?,
-            moe_arrivals: f32s(4)?,
             layer_sync,
             act: f32s((a + 1) * act_stride)?,
             act_stride,
@@ -384,7 +381,6 @@ pub fn moe_io(model: &DevModel, spec: &ModelSpec, s: &Scratch, i: usize) -> MoeI
         topk_w: s.topk_w,
         shared_w: s.shared_w,
         counter: s.router_counter,
-        arrivals: s.moe_arrivals,
         act: s.act,
         act_stride: s.act_stride,
         one: s.one,

@@ -80,17 +80,6 @@ pub struct TcGateUpParams {
     pub route: RouteParams,
 }
 
-/// The router and the tensor-core gate/up in one launch (matvec_tc.cu RouterGateUpParams).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RouterGateUpParams {
-    pub r: RouterParams,
-    pub gu: TcGateUpParams,
-    pub arrivals: u64,
-    pub nrouter: i32,
-    pub nslots: i32,
-}
-
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DownParams {
@@ -126,8 +115,6 @@ pub struct MoeIo {
     pub topk_w: DPtr,
     pub shared_w: DPtr,
     pub counter: DPtr,
-    /// u64 [2], zero between launches: the fused router and gate/up's arrival counts
-    pub arrivals: DPtr,
     pub act: DPtr,
     pub act_stride: usize,
     /// a device 1.0 (the dense MLP's slot weight)
@@ -161,9 +148,35 @@ fn gate_up_launch(
     route: Option<RouteParams>,
 ) -> Result<Launch> {
     let fmt = routed.map(|r| r.0).or(shared).expect("a slot").format;
-    let (p, n) = gate_up_params(io, x, norm, routed, shared, slots)?;
-    let d = p.d as usize;
+    let d = routed
+        .map(|r| r.0.cols)
+        .or(shared.map(|s| s.cols))
+        .unwrap_or(0);
+    crate::matvec::check_staged_input(d, norm)?;
+    let (i, a) = routed.map(|r| (r.1, r.2)).unwrap_or((0, 0));
+    let is = shared.map(|s| s.rows / 2).unwrap_or(0);
+    let p = GateUpParams {
+        x: x.0,
+        norm_gain: if norm { io.norm_gain.0 } else { 0 },
+        experts: routed.map(|r| r.0.kref()).unwrap_or_default(),
+        shared: shared.map(|s| s.kref()).unwrap_or_default(),
+        topk_ids: io.topk_ids.0,
+        act: io.act.0,
+        d: d as i32,
+        i: i as i32,
+        is: is as i32,
+        a: a as i32,
+        group_size: routed
+            .map(|r| r.0)
+            .or(shared)
+            .map(|m| m.group_size.max(1))
+            .unwrap_or(1) as i32,
+        act_stride: io.act_stride as i32,
+        slot_offset: slots.0 as i32,
+        eps: io.eps,
+    };
     let nslots = slots.1 - slots.0;
+    let n = i.max(is);
     if tensor_core_gate_up(engine, d, routed.map(|r| r.0), shared) {
         // kernels/matvec_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
         // blocks that fit at once
@@ -196,105 +209,11 @@ fn gate_up_launch(
     Launch::new(
         gpu,
         &format!("moe_gate_up_{}", fmt.suffix()),
-        (grid_x as u32, nslots as u32, 1),
+        (grid_x as u32, (slots.1 - slots.0) as u32, 1),
         THREADS,
         crate::matvec::input_smem_bytes(d, fmt),
         &p,
     )
-}
-
-/// The gate/up parameters for `slots` of the routed experts (matrix, I, A) and the shared one, and
-/// the most rows a slot has.
-fn gate_up_params(
-    io: &MoeIo,
-    x: DPtr,
-    norm: bool,
-    routed: Option<(&DevMatrix, usize, usize)>,
-    shared: Option<&DevMatrix>,
-    slots: (usize, usize),
-) -> Result<(GateUpParams, usize)> {
-    let d = routed
-        .map(|r| r.0.cols)
-        .or(shared.map(|s| s.cols))
-        .unwrap_or(0);
-    crate::matvec::check_staged_input(d, norm)?;
-    let (i, a) = routed.map(|r| (r.1, r.2)).unwrap_or((0, 0));
-    let is = shared.map(|s| s.rows / 2).unwrap_or(0);
-    let p = GateUpParams {
-        x: x.0,
-        norm_gain: if norm { io.norm_gain.0 } else { 0 },
-        experts: routed.map(|r| r.0.kref()).unwrap_or_default(),
-        shared: shared.map(|s| s.kref()).unwrap_or_default(),
-        topk_ids: io.topk_ids.0,
-        act: io.act.0,
-        d: d as i32,
-        i: i as i32,
-        is: is as i32,
-        a: a as i32,
-        group_size: routed
-            .map(|r| r.0)
-            .or(shared)
-            .map(|m| m.group_size.max(1))
-            .unwrap_or(1) as i32,
-        act_stride: io.act_stride as i32,
-        slot_offset: slots.0 as i32,
-        eps: io.eps,
-    };
-    Ok((p, i.max(is)))
-}
-
-/// The router and the tensor-core gate/up in one launch (matvec_tc.cu
-/// `matvec_tc_router_*_gate_up_q4_c2`): the router's row blocks first, then the gate/up blocks,
-/// which stage x̂ from h themselves and wait for the router blocks' arrivals before they select.
-/// None when the grid would not fit on the GPU at once (its blocks wait for each other) or the
-/// shapes are not the kernel's (D 2048, router q8 or q4).
-fn router_gate_up_launch(
-    gpu: &Gpu,
-    w: &MoeWeightsRef,
-    io: &MoeIo,
-    shared: Option<&DevMatrix>,
-    slots: (usize, usize),
-    route: RouteParams,
-) -> Result<Option<Launch>> {
-    let d = w.router.cols;
-    if d != 2048 || !matches!(w.router.format, Format::Q8 | Format::Q4) {
-        return Ok(None);
-    }
-    let (e, a) = (w.experts, w.top_k);
-    let i = w.gate_up.rows / (2 * e);
-    let (g, n) = gate_up_params(io, io.h, true, Some((w.gate_up, i, a)), shared, slots)?;
-    let name = format!(
-        "matvec_tc_router_{}_gate_up_q4_c{}",
-        w.router.format.suffix(),
-        d / 1024
-    );
-    let width = crate::matvec::lanes_per_row(d / w.router.format.per_unit());
-    let nrouter =
-        e.div_ceil(THREADS as usize / width * ROUTER_ROWS) + w.shared_gate.is_some() as usize;
-    let smem = ((4 * d + d / 16) as u32).max(crate::matvec::input_smem_bytes(d, w.router.format));
-    let resident = gpu.sm_count as usize * gpu.resident_blocks(&name, THREADS, smem)?;
-    let nslots = slots.1 - slots.0;
-    let tiles = n.div_ceil(8) * nslots;
-    if resident <= nrouter {
-        return Ok(None);
-    }
-    let gate_up_blocks = tiles.min(resident - nrouter).max(1);
-    let p = RouterGateUpParams {
-        r: router_params_selecting(w, io, false),
-        gu: TcGateUpParams { g, route },
-        arrivals: io.arrivals.0,
-        nrouter: nrouter as i32,
-        nslots: nslots as i32,
-    };
-    Launch::new(
-        gpu,
-        &name,
-        ((nrouter + gate_up_blocks) as u32, 1, 1),
-        THREADS,
-        smem,
-        &p,
-    )
-    .map(Some)
 }
 
 /// Whether the gate/up products run on kernels/matvec_tc.cu (q4 in groups of 64, D 1024·{1, 2, 4}).
@@ -473,53 +392,56 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
         norm_topk: w.norm_topk as i32,
         shared_gate: w.shared_gate.is_some() as i32,
     });
-    // The routed experts' gate/up (with the shared expert when it has their format), and the
-    // shared expert's own launch otherwise.
-    let first_slots = if same == Some(true) {
-        (0, a + 1)
-    } else {
-        (0, a)
-    };
-    // The router and that first gate/up as one launch, opt-in (CALLA_ROUTER=fused): correct, but
-    // slower than two launches (docs/performance.md, session 6).
-    let fused = match route {
-        Some(r)
-            if std::env::var("CALLA_ROUTER").as_deref() == Ok("fused") && same != Some(false) =>
-        {
-            router_gate_up_launch(gpu, w, io, first_shared, first_slots, r)?
-        }
-        _ => None,
-    };
-    let mut launches = Vec::new();
-    match fused {
-        Some(l) => launches.push(l),
-        None => {
-            launches.push(router_launch(gpu, w, io, !gate_up_selects)?);
+    let mut launches = vec![router_launch(gpu, w, io, !gate_up_selects)?];
+    match (w.shared, same) {
+        (Some((sgu, _)), Some(true)) => {
             launches.push(gate_up_launch(
                 gpu,
                 io,
                 io.xn,
                 false,
                 Some((w.gate_up, i, a)),
-                first_shared,
-                first_slots,
+                Some(sgu),
+                (0, a + 1),
                 engine,
                 route,
             )?);
         }
-    }
-    if let (Some((sgu, _)), Some(false)) = (w.shared, same) {
-        launches.push(gate_up_launch(
+        (Some((sgu, _)), _) => {
+            launches.push(gate_up_launch(
+                gpu,
+                io,
+                io.xn,
+                false,
+                Some((w.gate_up, i, a)),
+                None,
+                (0, a),
+                engine,
+                route,
+            )?);
+            launches.push(gate_up_launch(
+                gpu,
+                io,
+                io.xn,
+                false,
+                None,
+                Some(sgu),
+                (a, a + 1),
+                engine,
+                None,
+            )?);
+        }
+        (None, _) => launches.push(gate_up_launch(
             gpu,
             io,
             io.xn,
             false,
+            Some((w.gate_up, i, a)),
             None,
-            Some(sgu),
-            (a, a + 1),
+            (0, a),
             engine,
-            None,
-        )?);
+            route,
+        )?),
     }
     match (w.shared, same) {
         (Some((_, sdn)), Some(true)) => {

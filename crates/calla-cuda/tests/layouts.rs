@@ -21,11 +21,6 @@ fn parameter_structs_match_the_kernels() {
         ("GateUpParams", size_of::<moe::GateUpParams>(), 128),
         ("RouteParams", size_of::<moe::RouteParams>(), 48),
         ("TcGateUpParams", size_of::<moe::TcGateUpParams>(), 176),
-        (
-            "RouterGateUpParams",
-            size_of::<moe::RouterGateUpParams>(),
-            320,
-        ),
         ("DownParams", size_of::<moe::DownParams>(), 136),
         (
             "MoePersistentParams",
