@@ -183,11 +183,6 @@ pub fn matvec_head_norm(
     );
     let mut p = params(x, k, None, &[segment], accumulate)?;
     p.eps = norm.eps;
-    let name = format!("matvec_tc_headnorm_q4_c{}", k / 1024);
-    let smem = (4 * k + k / 16) as u32;
-    let resident = gpu.resident_blocks(&name, THREADS, smem)?;
-    let tiles = (p.total_rows as usize).div_ceil(16);
-    let grid = tiles.min(gpu.sm_count as usize * resident).max(1);
     let tp = TcMatvecParams {
         m: p,
         head_parts: x.offset(4 * k).0,
@@ -195,7 +190,27 @@ pub fn matvec_head_norm(
         head_dim: norm.head_dim as i32,
         nparts: norm.nparts as i32,
     };
-    Launch::new(gpu, &name, (grid as u32, 1, 1), THREADS, smem, &tp)
+    let name = format!("matvec_tc_headnorm_q4_c{}", k / 1024);
+    tensor_core_launch(gpu, &name, k, p.total_rows as usize, &tp)
+}
+
+/// A kernels/matvec_tc.cu matvec launch: 16-row tiles over a grid of at most the blocks that fit at
+/// once (each block pays the x̂ prologue once), shared memory for x̂'s B fragments (hi, lo) and Σx̂
+/// per group.
+fn tensor_core_launch<P: Copy>(
+    gpu: &Gpu,
+    name: &str,
+    k: usize,
+    rows: usize,
+    params: &P,
+) -> Result<Launch> {
+    let smem = (4 * k + k / 16) as u32;
+    let resident = gpu.resident_blocks(name, THREADS, smem)?;
+    let grid = rows
+        .div_ceil(16)
+        .min(gpu.sm_count as usize * resident)
+        .max(1);
+    Launch::new(gpu, name, (grid as u32, 1, 1), THREADS, smem, params)
 }
 
 /// Which dot-product engine a q4 matvec runs on.
@@ -246,11 +261,7 @@ fn matvec_one(
     if engine == DotEngine::TensorCores {
         if let Some(chunks) = tensor_core_chunks(k, segments) {
             let name = format!("matvec_tc_q4_c{chunks}");
-            let smem = (4 * k + k / 16) as u32; // B fragments (hi, lo) + Σx̂ per group
-            let resident = gpu.resident_blocks(&name, THREADS, smem)?;
-            let tiles = (p.total_rows as usize).div_ceil(16);
-            let grid = tiles.min(gpu.sm_count as usize * resident).max(1);
-            return Launch::new(gpu, &name, (grid as u32, 1, 1), THREADS, smem, &p);
+            return tensor_core_launch(gpu, &name, k, p.total_rows as usize, &p);
         }
     }
     let format = segments[0].0.format;
