@@ -277,8 +277,7 @@ template <typename KV>
 __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
     extern __shared__ float smem[];
     __shared__ int last_s;
-    griddep_launch_dependents();
-    griddep_wait();
+    griddep_enter();
     const int G = p.Hq / p.Hkv, Dh = p.Dh, kvh = blockIdx.y, split = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, g = tid >> 5;
     const int hq = kvh * G + g;
@@ -562,8 +561,7 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         if (warp + ATTN_WARPS * r < G)
             rope_row_load_weights(q_in[r], (const float*)p.q_gain, (const float*)p.inv_freq, Dh, p.rot);
     if (k_warp) rope_row_load_weights(k_in, (const float*)p.k_gain, (const float*)p.inv_freq, Dh, p.rot);
-    griddep_launch_dependents();
-    griddep_wait();
+    griddep_enter();
     const Cursor cur = *(const Cursor*)p.cursor;
 #pragma unroll
     for (int r = 0; r < 2; ++r)

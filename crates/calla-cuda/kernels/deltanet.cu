@@ -316,8 +316,7 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
 
 template <int KPL, int SPLIT>
 __device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
-    griddep_launch_dependents();
-    griddep_wait(); // cursor, projections and state come from earlier kernels
+    griddep_enter(); // cursor, projections and state come from earlier kernels
     deltanet_decode_item<KPL, SPLIT, DN_OUT_NORMED>(p, blockIdx.x);
 }
 
@@ -347,8 +346,7 @@ static_assert(DN_SPLIT == 8, "the kernel names say split8");
 // w·o·silu(z) and the blocks' Σo² parts (DN_OUT_PARTS); the out-projection finishes the norm.
 template <int KPL>
 __device__ __forceinline__ void deltanet_decode_parts_body(const DeltaNetParams& p) {
-    griddep_launch_dependents();
-    griddep_wait(); // cursor, projections and state come from earlier kernels
+    griddep_enter(); // cursor, projections and state come from earlier kernels
     deltanet_decode_item<KPL, DN_SPLIT, DN_OUT_PARTS>(p, blockIdx.x);
 }
 #define DN_KERNEL_PARTS(KPL) \

@@ -38,3 +38,51 @@ STREAM_KERNEL(4)
 STREAM_KERNEL(8)
 
 static_assert(sizeof(StreamParams) == 24, "StreamParams layout differs from its Rust twin");
+
+// stream_chain_link: one link of a synthetic decode step (tests/gpu/stream_floor.rs
+// decode_chain_against_its_floor): the floor of a chain of dependent kernels with the step's bytes
+// and grids. Each link streams its own `bytes` as stream_read_u4 does and writes x_out (xn floats,
+// grid-strided), which the next link reads as its x_in (from L2, as a decode kernel reads its input):
+//   mode 0  the stream only (x_out still written);
+//   mode 1  x_in read and summed over the block before the stream is issued (the decode kernels'
+//           order: their weights are requested once x has arrived);
+//   mode 2  x_in requested, the stream issued at once behind it, the block sum after.
+struct ChainParams {
+    u64 src;
+    u64 bytes; // multiple of 16
+    u64 x_in;  // f32 [xn]
+    u64 x_out; // f32 [xn]
+    u64 out;   // u32, written only on a (never expected) magic value
+    int xn, mode;
+};
+
+extern "C" __global__ void __launch_bounds__(256) stream_chain_link(const ChainParams p) {
+    __shared__ float red[32];
+    const float* x_in = (const float*)p.x_in;
+    float ss = 0.0f;
+    if (p.mode != 0)
+        for (int i = threadIdx.x; i < p.xn; i += blockDim.x) {
+            const float v = __ldcg(x_in + i);
+            ss = fmaf(v, v, ss);
+        }
+    if (p.mode == 1) ss = block_sum(ss, red);
+    const uint4* src = (const uint4*)p.src;
+    const i64 n = (i64)(p.bytes / 16), stride = (i64)gridDim.x * blockDim.x;
+    u32 acc = 0;
+    for (i64 i0 = (i64)blockIdx.x * blockDim.x + threadIdx.x; i0 < n; i0 += 4 * stride) {
+        uint4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const i64 i = i0 + k * stride;
+            v[k] = i < n ? ldg16(src + i) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+    }
+    if (p.mode == 2) ss = block_sum(ss, red);
+    if (acc == 0x9e3779b9u) *(u32*)p.out = acc;
+    float* x_out = (float*)p.x_out;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.xn; i += gridDim.x * blockDim.x)
+        x_out[i] = 0.5f + 1e-30f * ss; // bounded: the chain's values never grow
+}
+static_assert(sizeof(ChainParams) == 48, "ChainParams layout differs from its Rust twin");

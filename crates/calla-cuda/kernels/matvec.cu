@@ -94,8 +94,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     __shared__ float red[32];
     LAB_ON(p.nseg >= 3); // lab: the in-projections only (the lm_head would overwrite them)
     LAB_STAMP(0);
-    griddep_launch_dependents();
-    griddep_wait();
+    griddep_enter();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, red);
     matvec_rows<FMT, R, U>(p, xs, usum);
 }

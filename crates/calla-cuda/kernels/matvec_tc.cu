@@ -155,6 +155,7 @@ struct TcMatvecParams {
 template <bool HN>
 struct MatvecMapT {
     static constexpr bool HEAD_NORM = HN;
+    static constexpr bool STATIC_ROWS = true; // row() depends on the parameters only
     static constexpr int LAB = MTC_LAB_MATVEC;
     const MatvecParams& p;
     const TcMatvecParams& tp;
@@ -230,6 +231,7 @@ struct GateUpMap {
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.D; }
     static constexpr bool HEAD_NORM = false;
+    static constexpr bool STATIC_ROWS = false; // the routed slots' rows follow the selection
     static constexpr int LAB = 1;
     template <int CW>
     __device__ void chunk_scales(int, int, float (&)[CW]) const {}
@@ -284,10 +286,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     const u64 px = map.x(), pgain = map.norm_gain();
     LAB_ON(Map::LAB);
     LAB_STAMP(0);
-    // Programmatic dependent launch (graph.rs, CALLA_PDL=1): the next kernel may start launching now,
-    // and nothing a predecessor writes is read before the wait; no-ops in an ordinary launch.
-    griddep_launch_dependents();
-    griddep_wait();
+    griddep_enter(); // programmatic dependent launch (CALLA_PDL=1); no-ops otherwise
 
     // x and its norm gain first (from L2): the weight loads are issued only once they have arrived.
     constexpr int WPT = (CW + 1) / 2; // words of 8 columns per thread
@@ -359,15 +358,28 @@ __device__ __forceinline__ void tc_body(const Map& map) {
                 xv[m][i] = v[i] * gn[i];
             }
         }
-        // Σx² over the block (its barrier also waits for every warp's x) before the weight loads are
-        // issued: behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive (measured).
-        const float total = block_sum(ss, scratch);
-        const float inv = pgain ? 1.0f / sqrtf(total / (float)K + map.eps()) : 1.0f; // x̂ = x / √(mean(x²) + eps)
+#ifdef MTC_WARP_ISSUE
+        // lab: each thread issues its weight loads once its own x has arrived (ss depends on it; an
+        // empty volatile asm keeps the loads after it), the block's Σx² after
+        asm volatile("" ::"f"(ss));
+        if constexpr (!Map::STATIC_ROWS) __syncthreads(); // the routed slots' experts (prologue)
 #pragma unroll
         for (int s = 0; s < NB; ++s) {
             const int t = block + s * nblocks;
             if (t < tiles) issue(t, codes[s], par[s]);
         }
+        const float total = block_sum(ss, scratch);
+#else
+        // Σx² over the block (its barrier also waits for every warp's x) before the weight loads are
+        // issued: behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive (measured).
+        const float total = block_sum(ss, scratch);
+#pragma unroll
+        for (int s = 0; s < NB; ++s) {
+            const int t = block + s * nblocks;
+            if (t < tiles) issue(t, codes[s], par[s]);
+        }
+#endif
+        const float inv = pgain ? 1.0f / sqrtf(total / (float)K + map.eps()) : 1.0f; // x̂ = x / √(mean(x²) + eps)
         LAB_STAMP(1);
 #pragma unroll
         for (int m = 0; m < WPT; ++m) {
@@ -474,8 +486,7 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     const int nslots = p.slot_end - p.slot_begin;
     const int n_routed = max(0, min(p.slot_end, p.A) - p.slot_begin);
-    griddep_launch_dependents(); // programmatic dependent launch (CALLA_PDL=1); no-ops otherwise
-    griddep_wait();
+    griddep_enter();
     const int cr = p.I / 128, cs = p.Is / 128; // chunks of a routed and of the shared slot
     const int chunks = n_routed * cr + (p.slot_end > p.A ? cs : 0);
     uint4* bfrag = (uint4*)smem4;                     // [chunks][4 words][4 lanes c][hi, lo]

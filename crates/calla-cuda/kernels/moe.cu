@@ -108,8 +108,7 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     __shared__ float red[32];
     const bool gate_block = p.shared_gate && blockIdx.x == gridDim.x - 1;
     LAB_ON(0);
-    griddep_launch_dependents();
-    griddep_wait();
+    griddep_enter();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
     if (blockIdx.x == 0)
         for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
@@ -163,8 +162,7 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
     float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
     LAB_ON(0);
-    griddep_launch_dependents();
-    griddep_wait();
+    griddep_enter();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
     const int slot = blockIdx.y + p.slot_offset;
     const bool routed = slot < p.A;
@@ -271,8 +269,7 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
     __shared__ float slot_weight[MOE_MAX_A + 1];
     LAB_ON(1);
     LAB_STAMP(0);
-    griddep_launch_dependents();
-    griddep_wait();
+    griddep_enter();
     const int nslots = p.slot_end - p.slot_begin, pitch = xpad_len(p.act_stride);
     float* usum = acts + nslots * pitch;
     for (int s = threadIdx.x; s < nslots; s += blockDim.x) {

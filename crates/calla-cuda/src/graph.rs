@@ -62,9 +62,10 @@ impl StepGraph {
     }
 }
 
-/// Programmatic dependent launch inside the decode graph (each kernel's launch, and the weight
-/// loads it issues before `griddep_wait()`, overlap the previous kernel's tail). Off unless
-/// CALLA_PDL=1 while it is being measured (docs/performance.md, "Decode optimisations").
+/// Programmatic dependent launch inside the decode graph (a kernel's blocks may start while its
+/// predecessor's last blocks run). Off unless CALLA_PDL=1: measured slower both ways it was built
+/// (docs/performance.md: triggered at entry 442 → 372 tok/s, session 5; triggered after the wait,
+/// common.cuh griddep_enter, 480 → 457, session 7).
 pub fn programmatic_launch_enabled() -> bool {
     std::env::var("CALLA_PDL").is_ok_and(|v| v == "1")
 }

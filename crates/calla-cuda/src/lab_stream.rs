@@ -47,3 +47,63 @@ pub fn stream_read(
         &p,
     )
 }
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChainParams {
+    pub src: u64,
+    pub bytes: u64,
+    pub x_in: u64,
+    pub x_out: u64,
+    pub out: u64,
+    pub xn: i32,
+    pub mode: i32,
+}
+
+/// How a link of the synthetic decode chain treats its input (lab_stream.cu stream_chain_link).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainMode {
+    /// the stream only
+    StreamOnly = 0,
+    /// x read and summed over the block, then the stream (the decode kernels' order)
+    InputFirst = 1,
+    /// x requested and the stream issued behind it at once
+    InputWithStream = 2,
+}
+
+/// One link of the synthetic decode chain: stream `bytes` from `src` with `grid` blocks, read
+/// `x_in` and write `x_out` (`xn` f32 each) as `mode` says.
+#[allow(clippy::too_many_arguments)]
+pub fn chain_link(
+    gpu: &Gpu,
+    src: DPtr,
+    bytes: usize,
+    x_in: DPtr,
+    x_out: DPtr,
+    xn: usize,
+    out: DPtr,
+    grid: u32,
+    mode: ChainMode,
+) -> Result<Launch> {
+    ensure!(
+        bytes.is_multiple_of(16),
+        "chain_link: {bytes} bytes is not whole 16-byte chunks"
+    );
+    let p = ChainParams {
+        src: src.0,
+        bytes: bytes as u64,
+        x_in: x_in.0,
+        x_out: x_out.0,
+        out: out.0,
+        xn: xn as i32,
+        mode: mode as i32,
+    };
+    Launch::new(
+        gpu,
+        "stream_chain_link",
+        (grid.max(1), 1, 1),
+        THREADS,
+        0,
+        &p,
+    )
+}

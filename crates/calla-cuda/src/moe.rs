@@ -338,14 +338,23 @@ fn router_params_selecting(w: &MoeWeightsRef, io: &MoeIo, selects: bool) -> Rout
 pub fn router_launch(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, selects: bool) -> Result<Launch> {
     let d = w.router.cols;
     let width = crate::matvec::lanes_per_row(d / w.router.format.per_unit());
-    let rows_per_block = THREADS as usize / width * ROUTER_ROWS;
+    // Without the ticket the router is its rows only: blocks of 128 threads spread them over twice
+    // the blocks (33 instead of 17 at the real shape: 5.2 → 5.0 µs per launch; 64 threads were
+    // slower, 5.5; docs/performance.md, session 7). The staged input then holds ≤ 8·4·128 columns
+    // (common.cuh stage_input); the selecting router's last block needs all 256 threads.
+    let threads = if !selects && d <= 8 * 4 * 128 && width <= 128 {
+        128
+    } else {
+        THREADS
+    };
+    let rows_per_block = threads as usize / width * ROUTER_ROWS;
     // one more block computes the shared-expert gate row
     let grid = w.experts.div_ceil(rows_per_block) + w.shared_gate.is_some() as usize;
     Launch::new(
         gpu,
         &format!("moe_router_{}", w.router.format.suffix()),
         (grid as u32, 1, 1),
-        THREADS,
+        threads,
         crate::matvec::input_smem_bytes(d, w.router.format),
         &router_params_selecting(w, io, selects),
     )

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use calla_cuda::bench::lab_stamp_intervals;
 use calla_cuda::gpu::{DPtr, Gpu, Launch};
 use calla_cuda::graph::StepGraph;
-use calla_cuda::lab_stream::stream_read;
+use calla_cuda::lab_stream::{chain_link, stream_read, ChainMode};
 use calla_cuda::matvec::{matvec_on, DotEngine};
 use calla_cuda::pool::Arena;
 use calla_cuda::synthetic::Filler;
@@ -186,5 +186,129 @@ fn print_stamps(gpu: &Arc<Gpu>, kernel: &str, what: &str) {
         println!(
             "| stamps {what}: {name:<36} | median {median:6.2} µs | max {max:6.2} µs | {warps} warps | | INFO |"
         );
+    }
+}
+
+/// Lab (prints INFO rows, asserts nothing about speed): the floor of the decode step's structure.
+/// The 243 launches of one step at 4K context (Qwen3.6-35B-A3B, q4: their bytes and grids as
+/// `calla bench --profile` shows them) replaced by links that only stream their bytes, each
+/// reading the previous link's 8 KB output first as a decode kernel reads its input
+/// (lab_stream.cu stream_chain_link), captured as one graph. What the real step costs beyond this
+/// is its kernels' own work; what this costs beyond the bytes is the chain (docs/performance.md,
+/// "Session 7").
+#[test]
+#[ignore = "needs CUDA"]
+fn decode_chain_against_its_floor() {
+    let gpu = gpu();
+    let sms = gpu.sm_count as u32;
+    let q4 = |rows: usize, cols: usize| rows * cols * 9 / 16; // 4 bits + (scale, bias) per 64
+    let mut links: Vec<(&str, usize, u32)> = vec![("embed", 16 << 10, 1)];
+    for layer in 0..40 {
+        if layer % 4 == 3 {
+            links.push(("attention in-projection", q4(9216, 2048), 2 * sms));
+            links.push(("attention, K and V at 4K", 4096 * 2 * 2 * 256 * 2, 128));
+            links.push(("attention out-projection", q4(2048, 4096), 128));
+        } else {
+            links.push(("DeltaNet in-projection", q4(12_352, 2048), 2 * sms));
+            links.push(("DeltaNet state, read and written", 32 * 128 * 128 * 4 * 2, 256));
+            links.push(("DeltaNet out-projection", q4(2048, 4096), 128));
+        }
+        links.push(("router (q8)", 256 * 2048 * 17 / 16, 17));
+        links.push(("MoE gate/up, 8 + shared", q4(9 * 1024, 2048), 261));
+        links.push(("MoE down, 8 + shared", q4(2048, 9 * 512), 128));
+    }
+    links.push(("lm_head", q4(248_320, 2048), 2 * sms));
+    links.push(("token selection", 248_320 * 4, 64));
+    let total: usize = links.iter().map(|l| l.1.div_ceil(16) * 16).sum();
+
+    let mut arena = Arena::new(&gpu, total + (1 << 20));
+    let weights = arena.alloc(total).unwrap();
+    calla_cuda::synthetic::fill_f32(&gpu, weights, total / 4, -1.0, 1.0, 11).unwrap();
+    let xn = 2048;
+    let xs = [arena.alloc(xn * 4).unwrap(), arena.alloc(xn * 4).unwrap()];
+    for (i, x) in xs.iter().enumerate() {
+        calla_cuda::synthetic::fill_f32(&gpu, *x, xn, -1.0, 1.0, 12 + i as u64).unwrap();
+    }
+    let sink = arena.alloc_zeroed(4).unwrap();
+    gpu.sync().unwrap();
+
+    let chain = |mode: ChainMode, bytes_of: &dyn Fn(usize) -> usize| -> Vec<Launch> {
+        let mut offset = 0;
+        links
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, bytes, grid))| {
+                let src = weights.offset(offset);
+                offset += bytes.div_ceil(16) * 16;
+                chain_link(
+                    &gpu,
+                    src,
+                    bytes_of(bytes).div_ceil(16) * 16,
+                    xs[i % 2],
+                    xs[(i + 1) % 2],
+                    xn,
+                    sink,
+                    grid,
+                    mode,
+                )
+                .unwrap()
+            })
+            .collect()
+    };
+    let step = |what: &str, launches: &[Launch], bytes: usize| {
+        let us = graph_us(&gpu, launches) * launches.len() as f64;
+        println!(
+            "| chain of {} links: {what:<52} | {:>7.1} µs per step | {:>6.1} tok/s | {:>5.0} GB/s | | INFO |",
+            launches.len(),
+            us,
+            1e6 / us,
+            bytes as f64 / us / 1e3
+        );
+    };
+    step("launches only (16 bytes each)", &chain(ChainMode::StreamOnly, &|_| 16), 0);
+    step("x first, launches only (16 bytes each)", &chain(ChainMode::InputFirst, &|_| 16), 0);
+    step("the step's bytes, streamed", &chain(ChainMode::StreamOnly, &|b| b), total);
+    step("x read and summed, then the bytes", &chain(ChainMode::InputFirst, &|b| b), total);
+    step("x requested, the bytes behind it", &chain(ChainMode::InputWithStream, &|b| b), total);
+    // per kind of link: the same chain, one kind's bytes only (the others' launches stay)
+    let kinds: Vec<&str> = {
+        let mut k: Vec<&str> = links.iter().map(|l| l.0).collect();
+        k.dedup();
+        let mut seen = Vec::new();
+        for n in k {
+            if !seen.contains(&n) {
+                seen.push(n);
+            }
+        }
+        seen
+    };
+    for kind in kinds {
+        let mut i = 0;
+        let launches = {
+            let mut offset = 0;
+            links
+                .iter()
+                .enumerate()
+                .map(|(j, &(name, bytes, grid))| {
+                    let src = weights.offset(offset);
+                    offset += bytes.div_ceil(16) * 16;
+                    i += (name == kind) as usize;
+                    chain_link(
+                        &gpu,
+                        src,
+                        if name == kind { bytes.div_ceil(16) * 16 } else { 16 },
+                        xs[j % 2],
+                        xs[(j + 1) % 2],
+                        xn,
+                        sink,
+                        grid,
+                        ChainMode::InputFirst,
+                    )
+                    .unwrap()
+                })
+                .collect::<Vec<_>>()
+        };
+        let bytes: usize = links.iter().filter(|l| l.0 == kind).map(|l| l.1).sum();
+        step(&format!("x first, only {kind} ({i}) streamed"), &launches, bytes);
     }
 }
