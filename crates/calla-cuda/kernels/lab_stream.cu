@@ -86,3 +86,74 @@ extern "C" __global__ void __launch_bounds__(256) stream_chain_link(const ChainP
         x_out[i] = 0.5f + 1e-30f * ss; // bounded: the chain's values never grow
 }
 static_assert(sizeof(ChainParams) == 48, "ChainParams layout differs from its Rust twin");
+
+// stream_chain_persistent: the same chain as one resident grid (a persistent decode kernel's
+// floor): link l reads x[l % 2], sums it over the block, streams its bytes over the whole grid,
+// writes x[(l + 1) % 2], then a grid barrier (common.cuh grid_barrier). mode 3 also requests the
+// next link's first loads (4 per thread) before the barrier: the weights of a phase do not depend
+// on the one before, so their first DRAM round trip can overlap the barrier.
+struct ChainLink {
+    u64 src;
+    u64 bytes; // multiple of 16
+};
+struct PersistentChainParams {
+    u64 links; // ChainLink [nlinks]
+    u64 x;     // f32 [2][xn]
+    GridSync sync;
+    u64 out; // u32, written only on a (never expected) magic value
+    int nlinks, xn, mode, pad;
+};
+
+extern "C" __global__ void __launch_bounds__(256) stream_chain_persistent(const PersistentChainParams p) {
+    __shared__ float red[32];
+    const ChainLink* links = (const ChainLink*)p.links;
+    const i64 stride = (i64)gridDim.x * blockDim.x, tid0 = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    u32 acc = 0;
+    uint4 pre[4];
+    bool have_pre = false;
+    for (int l = 0; l < p.nlinks; ++l) {
+        const ChainLink L = links[l];
+        const float* x_in = (const float*)p.x + (l & 1) * p.xn;
+        float* x_out = (float*)p.x + ((l + 1) & 1) * p.xn;
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < p.xn; i += blockDim.x) {
+            const float v = __ldcg(x_in + i);
+            ss = fmaf(v, v, ss);
+        }
+        ss = block_sum(ss, red);
+        const uint4* src = (const uint4*)L.src;
+        const i64 n = (i64)(L.bytes / 16);
+        i64 i0 = tid0;
+        if (have_pre) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc ^= pre[k].x ^ pre[k].y ^ pre[k].z ^ pre[k].w;
+            i0 += 4 * stride;
+        }
+        for (; i0 < n; i0 += 4 * stride) {
+            uint4 v[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const i64 i = i0 + k * stride;
+                v[k] = i < n ? ldg16(src + i) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+        }
+        for (i64 i = tid0; i < p.xn; i += stride) x_out[i] = 0.5f + 1e-30f * ss;
+        have_pre = false;
+        if (p.mode == 3 && l + 1 < p.nlinks) {
+            const ChainLink N = links[l + 1];
+            const uint4* nsrc = (const uint4*)N.src;
+            const i64 nn = (i64)(N.bytes / 16);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const i64 i = tid0 + k * stride;
+                pre[k] = i < nn ? ldg16(nsrc + i) : make_uint4(0, 0, 0, 0);
+            }
+            have_pre = true;
+        }
+        grid_barrier(p.sync);
+    }
+    if (acc == 0x9e3779b9u) *(u32*)p.out = acc;
+}
+static_assert(sizeof(PersistentChainParams) == 56, "PersistentChainParams layout differs from its Rust twin");

@@ -358,27 +358,33 @@ __device__ __forceinline__ void tc_body(const Map& map) {
                 xv[m][i] = v[i] * gn[i];
             }
         }
-#ifdef MTC_WARP_ISSUE
-        // lab: each thread issues its weight loads once its own x has arrived (ss depends on it; an
-        // empty volatile asm keeps the loads after it), the block's Σx² after
-        asm volatile("" ::"f"(ss));
-        if constexpr (!Map::STATIC_ROWS) __syncthreads(); // the routed slots' experts (prologue)
-#pragma unroll
-        for (int s = 0; s < NB; ++s) {
-            const int t = block + s * nblocks;
-            if (t < tiles) issue(t, codes[s], par[s]);
-        }
-        const float total = block_sum(ss, scratch);
-#else
-        // Σx² over the block (its barrier also waits for every warp's x) before the weight loads are
-        // issued: behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive (measured).
-        const float total = block_sum(ss, scratch);
-#pragma unroll
-        for (int s = 0; s < NB; ++s) {
-            const int t = block + s * nblocks;
-            if (t < tiles) issue(t, codes[s], par[s]);
-        }
+#ifndef MTC_WARP_ISSUE
+#define MTC_WARP_ISSUE 0
 #endif
+        // lab MTC_WARP_ISSUE (1: every product; 2: the K = 2048 ones with fixed rows): each thread
+        // issues its weight loads once its own x has arrived (ss depends on it; an empty volatile
+        // asm keeps the loads after it), the block's Σx² after
+        constexpr bool warp_issue = MTC_WARP_ISSUE == 1 || (MTC_WARP_ISSUE == 2 && Map::STATIC_ROWS && CW == 2);
+        float total = 0.0f;
+        if constexpr (warp_issue) {
+            asm volatile("" ::"f"(ss));
+            if constexpr (!Map::STATIC_ROWS) __syncthreads(); // the routed slots' experts (prologue)
+#pragma unroll
+            for (int s = 0; s < NB; ++s) {
+                const int t = block + s * nblocks;
+                if (t < tiles) issue(t, codes[s], par[s]);
+            }
+            total = block_sum(ss, scratch);
+        } else {
+            // Σx² over the block (its barrier also waits for every warp's x) before the weight loads
+            // are issued: behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive (measured).
+            total = block_sum(ss, scratch);
+#pragma unroll
+            for (int s = 0; s < NB; ++s) {
+                const int t = block + s * nblocks;
+                if (t < tiles) issue(t, codes[s], par[s]);
+            }
+        }
         const float inv = pgain ? 1.0f / sqrtf(total / (float)K + map.eps()) : 1.0f; // x̂ = x / √(mean(x²) + eps)
         LAB_STAMP(1);
 #pragma unroll

@@ -107,3 +107,54 @@ pub fn chain_link(
         &p,
     )
 }
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PersistentChainParams {
+    pub links: u64,
+    pub x: u64,
+    pub sync_counter: u64,
+    pub sync_opened: u64,
+    pub out: u64,
+    pub nlinks: i32,
+    pub xn: i32,
+    pub mode: i32,
+    pub pad: i32,
+}
+
+/// The synthetic decode chain as one persistent launch (lab_stream.cu stream_chain_persistent):
+/// `links` holds (src, bytes) pairs (u64 each), `x` two buffers of `xn` f32, `sync` two zeroed u64
+/// (the grid barrier's counter, never reset: it counts on across launches). `prefetch`: each phase
+/// requests the next one's first loads before its barrier. `blocks` must all be resident.
+#[allow(clippy::too_many_arguments)]
+pub fn chain_persistent(
+    gpu: &Gpu,
+    links: DPtr,
+    nlinks: usize,
+    x: DPtr,
+    xn: usize,
+    sync: DPtr,
+    out: DPtr,
+    blocks: u32,
+    prefetch: bool,
+) -> Result<Launch> {
+    let p = PersistentChainParams {
+        links: links.0,
+        x: x.0,
+        sync_counter: sync.0,
+        sync_opened: sync.0 + 8,
+        out: out.0,
+        nlinks: nlinks as i32,
+        xn: xn as i32,
+        mode: if prefetch { 3 } else { 1 },
+        pad: 0,
+    };
+    Launch::new(
+        gpu,
+        "stream_chain_persistent",
+        (blocks.max(1), 1, 1),
+        THREADS,
+        0,
+        &p,
+    )
+}

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use calla_cuda::bench::lab_stamp_intervals;
 use calla_cuda::gpu::{DPtr, Gpu, Launch};
 use calla_cuda::graph::StepGraph;
-use calla_cuda::lab_stream::{chain_link, stream_read, ChainMode};
+use calla_cuda::lab_stream::{chain_link, chain_persistent, stream_read, ChainMode};
 use calla_cuda::matvec::{matvec_on, DotEngine};
 use calla_cuda::pool::Arena;
 use calla_cuda::synthetic::Filler;
@@ -270,6 +270,49 @@ fn decode_chain_against_its_floor() {
     step("the step's bytes, streamed", &chain(ChainMode::StreamOnly, &|b| b), total);
     step("x read and summed, then the bytes", &chain(ChainMode::InputFirst, &|b| b), total);
     step("x requested, the bytes behind it", &chain(ChainMode::InputWithStream, &|b| b), total);
+    // The same links as phases of one resident grid, separated by grid barriers.
+    {
+        let mut offset = 0;
+        let mut pairs: Vec<u64> = Vec::new();
+        for &(_, bytes, _) in &links {
+            pairs.push(weights.offset(offset).0);
+            pairs.push((bytes.div_ceil(16) * 16) as u64);
+            offset += bytes.div_ceil(16) * 16;
+        }
+        let table = arena.upload(&pairs).unwrap();
+        let x2 = arena.alloc(2 * xn * 4).unwrap();
+        calla_cuda::synthetic::fill_f32(&gpu, x2, 2 * xn, -1.0, 1.0, 14).unwrap();
+        let fits = gpu
+            .resident_blocks("stream_chain_persistent", calla_cuda::lab_stream::THREADS, 0)
+            .unwrap();
+        for per_sm in [1usize, 2, 4].into_iter().filter(|&n| n <= fits) {
+            for prefetch in [false, true] {
+                // a fresh counter per grid size: a barrier's target assumes the count is a
+                // multiple of the grid's blocks
+                let sync = arena.alloc_zeroed(16).unwrap();
+                let launch = chain_persistent(
+                    &gpu,
+                    table,
+                    links.len(),
+                    x2,
+                    xn,
+                    sync,
+                    sink,
+                    sms * per_sm as u32,
+                    prefetch,
+                )
+                .unwrap();
+                let us = graph_us(&gpu, &[launch]);
+                println!(
+                    "| one persistent grid ({per_sm}/SM), {} phases: x first{:<28} | {us:>7.1} µs per step | {:>6.1} tok/s | {:>5.0} GB/s | | INFO |",
+                    links.len(),
+                    if prefetch { ", next phase's loads before the barrier" } else { "" },
+                    1e6 / us,
+                    total as f64 / us / 1e3
+                );
+            }
+        }
+    }
     // per kind of link: the same chain, one kind's bytes only (the others' launches stay)
     let kinds: Vec<&str> = {
         let mut k: Vec<&str> = links.iter().map(|l| l.0).collect();
