@@ -358,12 +358,15 @@ __device__ __forceinline__ void tc_body(const Map& map) {
                 xv[m][i] = v[i] * gn[i];
             }
         }
+        // When the weight loads are issued. The K = 2048 products with fixed rows (in-projections,
+        // lm_head): by each thread once its own x has arrived (Σx² depends on it; an empty volatile
+        // asm keeps the loads after it), the block's Σx² after — step −21 µs (session 7). The others
+        // (gate/up, the K = 4096 out-projections): after the block's Σx², whose barrier also waits for
+        // every warp's x — issued per thread they took 0.3–0.4 µs longer. Never before x has arrived:
+        // behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive (session 5).
 #ifndef MTC_WARP_ISSUE
-#define MTC_WARP_ISSUE 0
+#define MTC_WARP_ISSUE 2 // lab: 0 never per thread, 1 for every product
 #endif
-        // lab MTC_WARP_ISSUE (1: every product; 2: the K = 2048 ones with fixed rows): each thread
-        // issues its weight loads once its own x has arrived (ss depends on it; an empty volatile
-        // asm keeps the loads after it), the block's Σx² after
         constexpr bool warp_issue = MTC_WARP_ISSUE == 1 || (MTC_WARP_ISSUE == 2 && Map::STATIC_ROWS && CW == 2);
         float total = 0.0f;
         if constexpr (warp_issue) {
@@ -376,8 +379,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
             }
             total = block_sum(ss, scratch);
         } else {
-            // Σx² over the block (its barrier also waits for every warp's x) before the weight loads
-            // are issued: behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive (measured).
             total = block_sum(ss, scratch);
 #pragma unroll
             for (int s = 0; s < NB; ++s) {
