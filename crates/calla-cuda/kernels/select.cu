@@ -24,6 +24,7 @@
 #define SEL_THREADS 256
 #define SEL_MAX_LOGPROBS 20
 #define SEL_MAX_CAND 64
+#define SEL_PER_THREAD 16 // logits a thread loads at once (chunk ≤ 16·256: V ≤ 262,144 with 64 blocks)
 
 struct SelectConfig {
     float temperature, top_p, min_p, rep_penalty, presence, frequency;
@@ -275,14 +276,31 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     // ---- per-block partials
     float rmax = NEG_INF, zmax_t = NEG_INF;
     int nfin = 0;
-    for (int k = threadIdx.x; k < n; k += blockDim.x) {
-        const float r = sanitise(logits[lo + k]);
+    auto take = [&](int k, float logit) {
+        const float r = sanitise(logit);
         raw[k] = r;
         rmax = fmaxf(rmax, r);
         const float z = adjust(p, c, lo + k, r, sampling);
         zv[k] = z;
         zmax_t = fmaxf(zmax_t, z);
         nfin += (z > NEG_INF && z < __int_as_float(0x7f800000)) ? 1 : 0;
+    };
+    if (n <= SEL_PER_THREAD * (int)blockDim.x) {
+        // Every logit of the thread requested at once: one loop iteration per load waited ~0.6 µs
+        // for each in turn (the lm_head's logits come from L2), the ~15 of them most of this kernel.
+        float lv[SEL_PER_THREAD];
+#pragma unroll
+        for (int j = 0; j < SEL_PER_THREAD; ++j) {
+            const int k = threadIdx.x + j * blockDim.x;
+            lv[j] = k < n ? __ldcg(logits + lo + k) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < SEL_PER_THREAD; ++j) {
+            const int k = threadIdx.x + j * blockDim.x;
+            if (k < n) take(k, lv[j]);
+        }
+    } else {
+        for (int k = threadIdx.x; k < n; k += blockDim.x) take(k, logits[lo + k]);
     }
     rmax = block_max(rmax, red);
     float rs = 0.0f;

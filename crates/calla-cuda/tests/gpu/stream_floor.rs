@@ -313,6 +313,58 @@ fn decode_chain_against_its_floor() {
             }
         }
     }
+    // Fewer dependent links: the same bytes, a link of each named kind merged into the one after it
+    // (the floor of a design that fuses them, whatever the fusion costs in itself).
+    let merges: [(&str, &[&str]); 3] = [
+        ("router into gate/up", &["router (q8)"]),
+        ("+ in-projections into their mixers", &["router (q8)", "DeltaNet in-projection", "attention in-projection"]),
+        (
+            "+ out-projections into the MoE's first",
+            &[
+                "router (q8)",
+                "DeltaNet in-projection",
+                "attention in-projection",
+                "DeltaNet out-projection",
+                "attention out-projection",
+            ],
+        ),
+    ];
+    for (what, kinds) in merges {
+        let mut merged: Vec<(usize, usize, u32)> = Vec::new(); // (offset, bytes, grid)
+        let mut offset = 0;
+        let mut open = false; // the last merged link takes the next one too
+        for &(name, bytes, grid) in &links {
+            let b = bytes.div_ceil(16) * 16;
+            match merged.last_mut() {
+                Some(last) if open => {
+                    last.1 += b;
+                    last.2 = last.2.max(grid);
+                }
+                _ => merged.push((offset, b, grid)),
+            }
+            open = kinds.contains(&name);
+            offset += b;
+        }
+        let launches: Vec<Launch> = merged
+            .iter()
+            .enumerate()
+            .map(|(i, &(off, bytes, grid))| {
+                chain_link(
+                    &gpu,
+                    weights.offset(off),
+                    bytes,
+                    xs[i % 2],
+                    xs[(i + 1) % 2],
+                    xn,
+                    sink,
+                    grid,
+                    ChainMode::InputFirst,
+                )
+                .unwrap()
+            })
+            .collect();
+        step(&format!("x first, {what}"), &launches, total);
+    }
     // per kind of link: the same chain, one kind's bytes only (the others' launches stay)
     let kinds: Vec<&str> = {
         let mut k: Vec<&str> = links.iter().map(|l| l.0).collect();
