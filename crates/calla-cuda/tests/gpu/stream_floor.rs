@@ -210,7 +210,11 @@ fn decode_chain_against_its_floor() {
             links.push(("attention out-projection", q4(2048, 4096), 128));
         } else {
             links.push(("DeltaNet in-projection", q4(12_352, 2048), 2 * sms));
-            links.push(("DeltaNet state, read and written", 32 * 128 * 128 * 4 * 2, 256));
+            links.push((
+                "DeltaNet state, read and written",
+                32 * 128 * 128 * 4 * 2,
+                256,
+            ));
             links.push(("DeltaNet out-projection", q4(2048, 4096), 128));
         }
         links.push(("router (q8)", 256 * 2048 * 17 / 16, 17));
@@ -232,7 +236,15 @@ fn decode_chain_against_its_floor() {
     let sink = arena.alloc_zeroed(4).unwrap();
     gpu.sync().unwrap();
 
-    let chain = |mode: ChainMode, bytes_of: &dyn Fn(usize) -> usize| -> Vec<Launch> {
+    // a third input that no link writes: x read without a dependency on the previous link
+    let x_static = arena.alloc(xn * 4).unwrap();
+    calla_cuda::synthetic::fill_f32(&gpu, x_static, xn, -1.0, 1.0, 15).unwrap();
+    gpu.sync().unwrap();
+    let chain_with = |mode: ChainMode,
+                      bytes_of: &dyn Fn(usize) -> usize,
+                      input: Option<DPtr>,
+                      n_in: usize|
+     -> Vec<Launch> {
         let mut offset = 0;
         links
             .iter()
@@ -244,9 +256,9 @@ fn decode_chain_against_its_floor() {
                     &gpu,
                     src,
                     bytes_of(bytes).div_ceil(16) * 16,
-                    xs[i % 2],
+                    input.unwrap_or(xs[i % 2]),
                     xs[(i + 1) % 2],
-                    xn,
+                    n_in,
                     sink,
                     grid,
                     mode,
@@ -255,6 +267,8 @@ fn decode_chain_against_its_floor() {
             })
             .collect()
     };
+    let chain =
+        |mode: ChainMode, bytes_of: &dyn Fn(usize) -> usize| chain_with(mode, bytes_of, None, xn);
     let step = |what: &str, launches: &[Launch], bytes: usize| {
         let us = graph_us(&gpu, launches) * launches.len() as f64;
         println!(
@@ -265,11 +279,53 @@ fn decode_chain_against_its_floor() {
             bytes as f64 / us / 1e3
         );
     };
-    step("launches only (16 bytes each)", &chain(ChainMode::StreamOnly, &|_| 16), 0);
-    step("x first, launches only (16 bytes each)", &chain(ChainMode::InputFirst, &|_| 16), 0);
-    step("the step's bytes, streamed", &chain(ChainMode::StreamOnly, &|b| b), total);
-    step("x read and summed, then the bytes", &chain(ChainMode::InputFirst, &|b| b), total);
-    step("x requested, the bytes behind it", &chain(ChainMode::InputWithStream, &|b| b), total);
+    step(
+        "launches only (16 bytes each)",
+        &chain(ChainMode::StreamOnly, &|_| 16),
+        0,
+    );
+    step(
+        "x first, launches only (16 bytes each)",
+        &chain(ChainMode::InputFirst, &|_| 16),
+        0,
+    );
+    step(
+        "the step's bytes, streamed",
+        &chain(ChainMode::StreamOnly, &|b| b),
+        total,
+    );
+    step(
+        "x read and summed, then the bytes",
+        &chain(ChainMode::InputFirst, &|b| b),
+        total,
+    );
+    step(
+        "x requested, the bytes behind it",
+        &chain(ChainMode::InputWithStream, &|b| b),
+        total,
+    );
+    // What the input costs: the same 8 KB from a buffer no link writes (no dependency), and 32 bytes
+    // of the previous link's output (the dependency without the volume)
+    step(
+        "x first, from a buffer no link writes",
+        &chain_with(ChainMode::InputFirst, &|b| b, Some(x_static), xn),
+        total,
+    );
+    step(
+        "x first, 32 bytes of it",
+        &chain_with(ChainMode::InputFirst, &|b| b, None, 8),
+        total,
+    );
+    step(
+        "x first, from a buffer no link writes, no bytes",
+        &chain_with(ChainMode::InputFirst, &|_| 16, Some(x_static), xn),
+        0,
+    );
+    step(
+        "x first, 32 bytes of it, no bytes",
+        &chain_with(ChainMode::InputFirst, &|_| 16, None, 8),
+        0,
+    );
     // The same links as phases of one resident grid, separated by grid barriers.
     {
         let mut offset = 0;
@@ -283,7 +339,11 @@ fn decode_chain_against_its_floor() {
         let x2 = arena.alloc(2 * xn * 4).unwrap();
         calla_cuda::synthetic::fill_f32(&gpu, x2, 2 * xn, -1.0, 1.0, 14).unwrap();
         let fits = gpu
-            .resident_blocks("stream_chain_persistent", calla_cuda::lab_stream::THREADS, 0)
+            .resident_blocks(
+                "stream_chain_persistent",
+                calla_cuda::lab_stream::THREADS,
+                0,
+            )
             .unwrap();
         for per_sm in [1usize, 2, 4].into_iter().filter(|&n| n <= fits) {
             for prefetch in [false, true] {
@@ -317,7 +377,14 @@ fn decode_chain_against_its_floor() {
     // (the floor of a design that fuses them, whatever the fusion costs in itself).
     let merges: [(&str, &[&str]); 3] = [
         ("router into gate/up", &["router (q8)"]),
-        ("+ in-projections into their mixers", &["router (q8)", "DeltaNet in-projection", "attention in-projection"]),
+        (
+            "+ in-projections into their mixers",
+            &[
+                "router (q8)",
+                "DeltaNet in-projection",
+                "attention in-projection",
+            ],
+        ),
         (
             "+ out-projections into the MoE's first",
             &[
@@ -391,7 +458,11 @@ fn decode_chain_against_its_floor() {
                     chain_link(
                         &gpu,
                         src,
-                        if name == kind { bytes.div_ceil(16) * 16 } else { 16 },
+                        if name == kind {
+                            bytes.div_ceil(16) * 16
+                        } else {
+                            16
+                        },
                         xs[j % 2],
                         xs[(j + 1) % 2],
                         xn,
@@ -404,6 +475,10 @@ fn decode_chain_against_its_floor() {
                 .collect::<Vec<_>>()
         };
         let bytes: usize = links.iter().filter(|l| l.0 == kind).map(|l| l.1).sum();
-        step(&format!("x first, only {kind} ({i}) streamed"), &launches, bytes);
+        step(
+            &format!("x first, only {kind} ({i}) streamed"),
+            &launches,
+            bytes,
+        );
     }
 }
