@@ -46,7 +46,8 @@ static_assert(sizeof(StreamParams) == 24, "StreamParams layout differs from its 
 //   mode 0  the stream only (x_out still written);
 //   mode 1  x_in read and summed over the block before the stream is issued (the decode kernels'
 //           order: their weights are requested once x has arrived);
-//   mode 2  x_in requested, the stream issued at once behind it, the block sum after.
+//   mode 2  x_in requested, the stream issued at once behind it, the block sum after;
+//   mode 3  as mode 1, each block reading its own copy: x_in + blockIdx.x·xn (hot lines or volume?).
 struct ChainParams {
     u64 src;
     u64 bytes; // multiple of 16
@@ -58,14 +59,14 @@ struct ChainParams {
 
 extern "C" __global__ void __launch_bounds__(256) stream_chain_link(const ChainParams p) {
     __shared__ float red[32];
-    const float* x_in = (const float*)p.x_in;
+    const float* x_in = (const float*)p.x_in + (p.mode == 3 ? (i64)blockIdx.x * p.xn : 0);
     float ss = 0.0f;
     if (p.mode != 0)
         for (int i = threadIdx.x; i < p.xn; i += blockDim.x) {
             const float v = __ldcg(x_in + i);
             ss = fmaf(v, v, ss);
         }
-    if (p.mode == 1) ss = block_sum(ss, red);
+    if (p.mode == 1 || p.mode == 3) ss = block_sum(ss, red);
     const uint4* src = (const uint4*)p.src;
     const i64 n = (i64)(p.bytes / 16), stride = (i64)gridDim.x * blockDim.x;
     u32 acc = 0;

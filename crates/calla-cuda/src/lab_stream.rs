@@ -69,6 +69,8 @@ pub enum ChainMode {
     InputFirst = 1,
     /// x requested and the stream issued behind it at once
     InputWithStream = 2,
+    /// as InputFirst, block b reading its own copy at x_in + b·xn
+    InputFirstOwnCopy = 3,
 }
 
 /// One link of the synthetic decode chain: stream `bytes` from `src` with `grid` blocks, read

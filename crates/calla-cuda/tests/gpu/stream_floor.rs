@@ -326,6 +326,20 @@ fn decode_chain_against_its_floor() {
         &chain_with(ChainMode::InputFirst, &|_| 16, None, 8),
         0,
     );
+    // hot lines or volume: every block its own copy of a buffer no link writes (all in L2)
+    let copies = arena.alloc(xn * 4 * 4 * sms as usize).unwrap();
+    calla_cuda::synthetic::fill_f32(&gpu, copies, xn * 4 * sms as usize, -1.0, 1.0, 16).unwrap();
+    gpu.sync().unwrap();
+    step(
+        "x first, no link writes it, each block its own copy",
+        &chain_with(ChainMode::InputFirstOwnCopy, &|b| b, Some(copies), xn),
+        total,
+    );
+    step(
+        "x first, no link writes it, own copies, no bytes",
+        &chain_with(ChainMode::InputFirstOwnCopy, &|_| 16, Some(copies), xn),
+        0,
+    );
     // The same links as phases of one resident grid, separated by grid barriers.
     {
         let mut offset = 0;
