@@ -57,15 +57,26 @@ struct ChainParams {
     int xn, mode;
 };
 
+// x's Σx², every load of the thread issued at once as float4 (as the decode kernels load their
+// input; a scalar loop waited for its loads in turn); xn a multiple of 4, ≤ 4·8·blockDim.
+__device__ __forceinline__ float chain_input_sumsq(const float* x, int xn) {
+    constexpr int XV = 8;
+    float4 v[XV];
+#pragma unroll
+    for (int j = 0; j < XV; ++j) {
+        const int q = threadIdx.x + j * blockDim.x;
+        v[j] = 4 * q < xn ? ldcg_f4((const float4*)x + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < XV; ++j) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    return ss;
+}
+
 extern "C" __global__ void __launch_bounds__(256) stream_chain_link(const ChainParams p) {
     __shared__ float red[32];
     const float* x_in = (const float*)p.x_in + (p.mode == 3 ? (i64)blockIdx.x * p.xn : 0);
-    float ss = 0.0f;
-    if (p.mode != 0)
-        for (int i = threadIdx.x; i < p.xn; i += blockDim.x) {
-            const float v = __ldcg(x_in + i);
-            ss = fmaf(v, v, ss);
-        }
+    float ss = p.mode != 0 ? chain_input_sumsq(x_in, p.xn) : 0.0f;
     if (p.mode == 1 || p.mode == 3) ss = block_sum(ss, red);
     const uint4* src = (const uint4*)p.src;
     const i64 n = (i64)(p.bytes / 16), stride = (i64)gridDim.x * blockDim.x;
@@ -116,12 +127,7 @@ extern "C" __global__ void __launch_bounds__(256) stream_chain_persistent(const 
         const ChainLink L = links[l];
         const float* x_in = (const float*)p.x + (l & 1) * p.xn;
         float* x_out = (float*)p.x + ((l + 1) & 1) * p.xn;
-        float ss = 0.0f;
-        for (int i = threadIdx.x; i < p.xn; i += blockDim.x) {
-            const float v = __ldcg(x_in + i);
-            ss = fmaf(v, v, ss);
-        }
-        ss = block_sum(ss, red);
+        const float ss = block_sum(chain_input_sumsq(x_in, p.xn), red);
         const uint4* src = (const uint4*)L.src;
         const i64 n = (i64)(L.bytes / 16);
         i64 i0 = tid0;
