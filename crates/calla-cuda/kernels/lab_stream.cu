@@ -58,9 +58,9 @@ struct ChainParams {
 };
 
 // x's Σx², every load of the thread issued at once as float4 (as the decode kernels load their
-// input; a scalar loop waited for its loads in turn); xn a multiple of 4, ≤ 4·8·blockDim.
+// input; a scalar loop waited for its loads in turn); xn a multiple of 4, ≤ 8·blockDim.
 __device__ __forceinline__ float chain_input_sumsq(const float* x, int xn) {
-    constexpr int XV = 8;
+    constexpr int XV = 2;
     float4 v[XV];
 #pragma unroll
     for (int j = 0; j < XV; ++j) {

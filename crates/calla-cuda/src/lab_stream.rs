@@ -92,8 +92,8 @@ pub fn chain_link(
         "chain_link: {bytes} bytes is not whole 16-byte chunks"
     );
     ensure!(
-        xn.is_multiple_of(4) && xn <= 32 * THREADS as usize,
-        "chain_link: an input of {xn} floats (whole float4, at most 8 per thread)"
+        xn.is_multiple_of(4) && xn <= 8 * THREADS as usize,
+        "chain_link: an input of {xn} floats (whole float4, at most 2 per thread)"
     );
     let p = ChainParams {
         src: src.0,
