@@ -187,7 +187,15 @@ struct MatvecMapT {
         data = (const u8*)m.data + (i64)local * m.row_bytes;
         prm = (const u8*)m.params + (i64)local * m.groups_per_row * 4;
     }
-    __device__ void finish(int t, int tid, const float (*red)[16]) const {
+    // The value an accumulating product adds to, for thread tid < 16 of tile t: requested at the
+    // start (nothing else writes these rows meanwhile), not as a dependent load after the reduction.
+    __device__ float old_value(int t, int tid) const {
+        if (!p.accumulate || tid >= 16 || 16 * t + tid >= p.total_rows) return 0.0f;
+        int seg, local;
+        matvec_locate(p, 16 * t + tid, seg, local);
+        return ldcg_f32((const float*)p.seg[seg].out + local);
+    }
+    __device__ void finish(int t, int tid, const float (*red)[16], bool has_old, float old) const {
         if (tid >= 16 || 16 * t + tid >= p.total_rows) return;
         float v = 0.0f;
 #pragma unroll
@@ -195,7 +203,7 @@ struct MatvecMapT {
         int seg, local;
         matvec_locate(p, 16 * t + tid, seg, local);
         float* y = (float*)p.seg[seg].out;
-        y[local] = p.accumulate ? ldcg_f32(y + local) + v : v;
+        y[local] = p.accumulate ? (has_old ? old : ldcg_f32(y + local)) + v : v;
     }
 };
 
@@ -256,7 +264,8 @@ struct GateUpMap {
         data = (const u8*)m.data + row * m.row_bytes;
         prm = (const u8*)m.params + row * m.groups_per_row * 4;
     }
-    __device__ void finish(int t, int tid, const float (*red)[16]) const {
+    __device__ float old_value(int, int) const { return 0.0f; } // act is written, not added to
+    __device__ void finish(int t, int tid, const float (*red)[16], bool, float) const {
         const int s = t / per_slot(), slot = s + p.slot_offset;
         const int n = slot < p.A ? p.I : p.Is;
         const int j = (t - s * per_slot()) * 8 + tid;
@@ -270,6 +279,12 @@ struct GateUpMap {
         ((float*)p.act)[(i64)slot * p.act_stride + j] = silu_f(gate) * up;
     }
 };
+
+// An accumulating product (the out-projections and down, y += W·x) requests the values it adds to at
+// its start, not as a dependent L2 load after its reduction. Lab: MTC_EARLY_OLD=0 for the late load.
+#ifndef MTC_EARLY_OLD
+#define MTC_EARLY_OLD 1
+#endif
 
 template <int CW, int NB, typename Map>
 __device__ __forceinline__ void tc_body(const Map& map) {
@@ -307,6 +322,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         }
     }
 
+    const float y_old = MTC_EARLY_OLD && block < tiles ? map.old_value(block, tid) : 0.0f;
     map.prologue(); // while x is on its way (gate/up: the routing)
     LAB_STAMP(7);
 
@@ -431,7 +447,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         if (lab_first) LAB_STAMP(4);
         __syncthreads();
         if (lab_first) LAB_STAMP(5);
-        map.finish(t, tid, red[buf]);
+        map.finish(t, tid, red[buf], MTC_EARLY_OLD && t == block, y_old);
     };
 
     // Tile j of this block is block + j·nblocks, held in register slot j % NB; its slot is
@@ -509,6 +525,9 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
         slot_weight[s] = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
     }
     __syncthreads();
+    // the residual this block adds to, requested now rather than after the reduction
+    const int t = blockIdx.x;
+    const float h_old = MTC_EARLY_OLD && tid < 16 && 16 * t + tid < p.D ? ldcg_f32((const float*)p.h + 16 * t + tid) : 0.0f;
 
     // the slots' activations (from L2), weighted, before any weight load is issued
     constexpr int WPT = (CWMAX * 8 * 16 + MTC_THREADS - 1) / MTC_THREADS;
@@ -534,7 +553,6 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     }
     __syncthreads(); // every warp's activations are in: the weight loads go after them
 
-    const int t = blockIdx.x;
     uint4 cd[CWMAX][2];
     uint2 pr[CWMAX][2];
 #pragma unroll
@@ -582,7 +600,7 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
         float v = 0.0f;
 #pragma unroll
         for (int w = 0; w < MTC_WARPS; ++w) v += red[w][tid];
-        ((float*)p.h)[r] = ldcg_f32((const float*)p.h + r) + v;
+        ((float*)p.h)[r] = (MTC_EARLY_OLD ? h_old : ldcg_f32((const float*)p.h + r)) + v;
     }
 }
 
