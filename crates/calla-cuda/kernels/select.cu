@@ -36,6 +36,7 @@ struct SelectConfig {
 struct SelectPartial {
     float raw_max, raw_sum, z_max, z_sum;
     int z_arg, n_raw, n_cand, n_finite;
+    float raw_at_arg; // the raw logit of z_arg (the greedy token's log-probability without a reload)
     int raw_ids[SEL_MAX_LOGPROBS];
     float raw_vals[SEL_MAX_LOGPROBS];
     int cand_ids[SEL_MAX_CAND];
@@ -274,7 +275,8 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     SelectPartial* part = (SelectPartial*)p.partials + blockIdx.x;
 
     // ---- per-block partials
-    float rmax = NEG_INF, zmax_t = NEG_INF;
+    float rmax = NEG_INF;
+    Best zb = {__int_as_float(0x7fc00000), 0x7fffffff}; // this thread's best z, in k order (as block_best)
     int nfin = 0;
     auto take = [&](int k, float logit) {
         const float r = sanitise(logit);
@@ -282,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         rmax = fmaxf(rmax, r);
         const float z = adjust(p, c, lo + k, r, sampling);
         zv[k] = z;
-        zmax_t = fmaxf(zmax_t, z);
+        if (better(z, lo + k, zb.v, zb.i)) { zb.v = z; zb.i = lo + k; }
         nfin += (z > NEG_INF && z < __int_as_float(0x7f800000)) ? 1 : 0;
     };
     if (n <= SEL_PER_THREAD * (int)blockDim.x) {
@@ -302,21 +304,47 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     } else {
         for (int k = threadIdx.x; k < n; k += blockDim.x) take(k, logits[lo + k]);
     }
-    rmax = block_max(rmax, red);
+    // The raw maximum, the best z and the finite count in one block reduction (each is exact in any
+    // order), then Σ exp(raw − max) (and Σ exp(z − zmax) when sampling) as block_sum always did.
+    {
+        __shared__ float w_rmax[32];
+        __shared__ Best w_zb[32];
+        __shared__ int w_nf[32];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, o));
+            const float ov = __shfl_xor_sync(0xffffffffu, zb.v, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, zb.i, o);
+            if (better(ov, oi, zb.v, zb.i)) { zb.v = ov; zb.i = oi; }
+            nfin += __shfl_xor_sync(0xffffffffu, nfin, o);
+        }
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+        if (lane == 0) { w_rmax[warp] = rmax; w_zb[warp] = zb; w_nf[warp] = nfin; }
+        __syncthreads();
+        rmax = w_rmax[0];
+        zb = w_zb[0];
+        nfin = w_nf[0];
+        for (int w = 1; w < nw; ++w) {
+            rmax = fmaxf(rmax, w_rmax[w]);
+            if (better(w_zb[w].v, w_zb[w].i, zb.v, zb.i)) zb = w_zb[w];
+            nfin += w_nf[w];
+        }
+    }
     float rs = 0.0f;
     if (rmax > NEG_INF)
         for (int k = threadIdx.x; k < n; k += blockDim.x) rs += expf(raw[k] - rmax);
     rs = block_sum(rs, red);
-    const Best zb = block_best(zv, nullptr, lo, n, scratch);
     float zs = 0.0f;
-    if (sampling && zb.v > NEG_INF)
-        for (int k = threadIdx.x; k < n; k += blockDim.x)
-            if (zv[k] > NEG_INF) zs += expf(zv[k] - zb.v);
-    zs = block_sum(zs, red);
-    const float nf = block_sum((float)nfin, red);
+    if (sampling) {
+        if (zb.v > NEG_INF)
+            for (int k = threadIdx.x; k < n; k += blockDim.x)
+                if (zv[k] > NEG_INF) zs += expf(zv[k] - zb.v);
+        zs = block_sum(zs, red);
+    }
     if (threadIdx.x == 0) {
         part->raw_max = rmax; part->raw_sum = rs; part->z_max = zb.v; part->z_arg = zb.i; part->z_sum = zs;
-        part->n_finite = (int)nf;
+        part->n_finite = nfin;
+        part->raw_at_arg = zb.i >= lo && zb.i < lo + n ? raw[zb.i - lo] : __int_as_float(0x7fc00000);
     }
     const int nl = min(c.n_logprobs, SEL_MAX_LOGPROBS);
     int got = block_top(raw, nullptr, lo, n, nl, part->raw_ids, part->raw_vals, scratch);
@@ -347,6 +375,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     float* p_z_sum = raw + 3 * NB;
     int* p_z_arg = (int*)(raw + 4 * NB);
     int* p_nfin = (int*)(raw + 5 * NB);
+    float* p_raw_at = raw + 6 * NB;
     for (int b = threadIdx.x; b < NB; b += blockDim.x) {
         p_raw_max[b] = parts[b].raw_max;
         p_raw_sum[b] = parts[b].raw_sum;
@@ -354,26 +383,44 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         p_z_sum[b] = parts[b].z_sum;
         p_z_arg[b] = parts[b].z_arg;
         p_nfin[b] = parts[b].n_finite;
+        p_raw_at[b] = parts[b].raw_at_arg;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float M = NEG_INF, ZM = NEG_INF;
+    __shared__ float g_raw_at_arg;
+    // One warp merges: lane l takes partials l, l + 32, … and the lanes combine by shuffles (a fixed
+    // tree: the same sums every time; a thread-0 loop over the partials took microseconds).
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        float M = NEG_INF, ZM = NEG_INF, at = __int_as_float(0x7fc00000);
         int arg = 0x7fffffff, nfin_all = 0;
-        for (int b = 0; b < NB; ++b) {
+        for (int b = lane; b < NB; b += 32) {
             M = fmaxf(M, p_raw_max[b]);
-            if (better(p_z_max[b], p_z_arg[b], ZM, arg)) { ZM = p_z_max[b]; arg = p_z_arg[b]; }
+            if (better(p_z_max[b], p_z_arg[b], ZM, arg)) { ZM = p_z_max[b]; arg = p_z_arg[b]; at = p_raw_at[b]; }
             nfin_all += p_nfin[b];
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+            const float ov = __shfl_xor_sync(0xffffffffu, ZM, o), oa = __shfl_xor_sync(0xffffffffu, at, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, arg, o);
+            if (better(ov, oi, ZM, arg)) { ZM = ov; arg = oi; at = oa; }
+            nfin_all += __shfl_xor_sync(0xffffffffu, nfin_all, o);
+        }
         float S = 0.0f, ZS = 0.0f;
-        for (int b = 0; b < NB; ++b) {
+        for (int b = lane; b < NB; b += 32) {
             if (p_raw_max[b] > NEG_INF) S += p_raw_sum[b] * expf(p_raw_max[b] - M);
             if (p_z_max[b] > NEG_INF && ZM > NEG_INF) ZS += p_z_sum[b] * expf(p_z_max[b] - ZM);
         }
-        g_lse = M > NEG_INF ? M + logf(S) : NEG_INF;
-        g_zmax = ZM;
-        g_ztotal = ZS;
-        g_arg = (ZM > NEG_INF || arg != 0x7fffffff) ? arg : 0;
-        g_nfin = nfin_all;
+        S = warp_sum(S);
+        ZS = warp_sum(ZS);
+        if (lane == 0) {
+            g_lse = M > NEG_INF ? M + logf(S) : NEG_INF;
+            g_zmax = ZM;
+            g_ztotal = ZS;
+            g_arg = (ZM > NEG_INF || arg != 0x7fffffff) ? arg : 0;
+            g_nfin = nfin_all;
+            g_raw_at_arg = arg == g_arg ? at : __int_as_float(0x7fc00000);
+        }
     }
     __syncthreads();
     // merged top logprobs: NB·nl candidates → best nl
@@ -545,7 +592,9 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     }
     if (threadIdx.x == 0) {
         res->token = token;
-        res->logprob = sanitise(logits[token]) - g_lse;
+        // the greedy token's raw logit came with its partial; a drawn token's is read here
+        const float raw_tok = token == g_arg && g_raw_at_arg == g_raw_at_arg ? g_raw_at_arg : sanitise(logits[token]);
+        res->logprob = raw_tok - g_lse;
         res->sampled = sampled;
         SelectConfig* cfg = (SelectConfig*)p.config;
         const u64 step = (((u64)c.step_hi) << 32 | c.step_lo) + 1;
@@ -592,4 +641,4 @@ static_assert(sizeof(SelectConfig) == 64, "SelectConfig layout differs from its 
 static_assert(sizeof(SelectResult) == 176, "SelectResult layout differs from its Rust twin");
 static_assert(sizeof(SelectParams) == 88, "SelectParams layout differs from its Rust twin");
 static_assert(sizeof(PenaltyParams) == 48, "PenaltyParams layout differs from its Rust twin");
-static_assert(sizeof(SelectPartial) == 704, "SelectPartial layout differs from its Rust twin");
+static_assert(sizeof(SelectPartial) == 708, "SelectPartial layout differs from its Rust twin");

@@ -58,7 +58,7 @@ impl Default for SelectResult {
 }
 
 /// select.cu SelectPartial: 8 words + 20 + 20 + 64 + 64.
-const PARTIAL_BYTES: usize = 4 * (8 + 2 * MAX_LOGPROBS + 2 * MAX_CANDIDATES);
+const PARTIAL_BYTES: usize = 4 * (9 + 2 * MAX_LOGPROBS + 2 * MAX_CANDIDATES);
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
