@@ -811,13 +811,10 @@ __device__ __forceinline__ void select_top(float* sl, int E, int A, float2* cand
 // The router logits (written by an earlier kernel, or by other blocks before a ticket: read through
 // L2) into sl [E], and the shared-expert gate's logit (thread 0's return value; requested with the
 // others rather than after the selection). No barrier.
-// The gate logit is requested first: loaded after the loop, thread 0 waited for its logit's store
-// and then a second L2 round trip, and the selection's first barrier waited for thread 0.
 __device__ __forceinline__ float route_load_logits(const RouteParams& r, float* sl) {
     const volatile float* logits = (const volatile float*)r.logits;
-    const float gate = r.shared_gate && threadIdx.x == 0 ? logits[r.E] : 0.0f;
     for (int e = threadIdx.x; e < r.E; e += blockDim.x) sl[e] = logits[e];
-    return gate;
+    return r.shared_gate && threadIdx.x == 0 ? logits[r.E] : 0.0f;
 }
 
 // Top-A and combine weights from the logits in shared memory sl (select_top's input; the gate logit

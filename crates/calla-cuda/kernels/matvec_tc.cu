@@ -519,12 +519,10 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
         s = q < n_routed * cr ? q / cr : n_routed;
         kc = q - s * cr;
     };
-    for (int s = tid; s < nslots; s += blockDim.x) { // both loads in flight before either is stored
+    for (int s = tid; s < nslots; s += blockDim.x) {
         const int slot = p.slot_begin + s;
-        const int e = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
-        const float w = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
-        slot_expert[s] = e;
-        slot_weight[s] = w;
+        slot_expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
+        slot_weight[s] = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
     }
     __syncthreads();
     // the residual this block adds to, requested now rather than after the reduction
