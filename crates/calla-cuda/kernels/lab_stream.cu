@@ -12,12 +12,11 @@ struct StreamParams {
     u64 out;   // u32, written only on a (never expected) magic value
 };
 
+// XOR of every 16-byte chunk i0, i0 + stride, … < n of src, U loads in flight per thread.
 template <int U>
-__device__ __forceinline__ void stream_body(const StreamParams& p) {
-    const uint4* src = (const uint4*)p.src;
-    const i64 n = (i64)(p.bytes / 16), stride = (i64)gridDim.x * blockDim.x;
+__device__ __forceinline__ u32 stream_fold(const uint4* src, i64 n, i64 i0, i64 stride) {
     u32 acc = 0;
-    for (i64 i0 = (i64)blockIdx.x * blockDim.x + threadIdx.x; i0 < n; i0 += U * stride) {
+    for (; i0 < n; i0 += U * stride) {
         uint4 v[U];
 #pragma unroll
         for (int k = 0; k < U; ++k) {
@@ -27,6 +26,13 @@ __device__ __forceinline__ void stream_body(const StreamParams& p) {
 #pragma unroll
         for (int k = 0; k < U; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
     }
+    return acc;
+}
+
+template <int U>
+__device__ __forceinline__ void stream_body(const StreamParams& p) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    const u32 acc = stream_fold<U>((const uint4*)p.src, (i64)(p.bytes / 16), (i64)blockIdx.x * blockDim.x + threadIdx.x, stride);
     if (acc == 0x9e3779b9u) *(u32*)p.out = acc;
 }
 
@@ -78,19 +84,8 @@ extern "C" __global__ void __launch_bounds__(256) stream_chain_link(const ChainP
     const float* x_in = (const float*)p.x_in + (p.mode == 3 ? (i64)blockIdx.x * p.xn : 0);
     float ss = p.mode != 0 ? chain_input_sumsq(x_in, p.xn) : 0.0f;
     if (p.mode == 1 || p.mode == 3) ss = block_sum(ss, red);
-    const uint4* src = (const uint4*)p.src;
-    const i64 n = (i64)(p.bytes / 16), stride = (i64)gridDim.x * blockDim.x;
-    u32 acc = 0;
-    for (i64 i0 = (i64)blockIdx.x * blockDim.x + threadIdx.x; i0 < n; i0 += 4 * stride) {
-        uint4 v[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const i64 i = i0 + k * stride;
-            v[k] = i < n ? ldg16(src + i) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
-    }
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    const u32 acc = stream_fold<4>((const uint4*)p.src, (i64)(p.bytes / 16), (i64)blockIdx.x * blockDim.x + threadIdx.x, stride);
     if (p.mode == 2) ss = block_sum(ss, red);
     if (acc == 0x9e3779b9u) *(u32*)p.out = acc;
     float* x_out = (float*)p.x_out;
@@ -136,16 +131,7 @@ extern "C" __global__ void __launch_bounds__(256) stream_chain_persistent(const 
             for (int k = 0; k < 4; ++k) acc ^= pre[k].x ^ pre[k].y ^ pre[k].z ^ pre[k].w;
             i0 += 4 * stride;
         }
-        for (; i0 < n; i0 += 4 * stride) {
-            uint4 v[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const i64 i = i0 + k * stride;
-                v[k] = i < n ? ldg16(src + i) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int k = 0; k < 4; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
-        }
+        acc ^= stream_fold<4>(src, n, i0, stride);
         for (i64 i = tid0; i < p.xn; i += stride) x_out[i] = 0.5f + 1e-30f * ss;
         have_pre = false;
         if (p.mode == 3 && l + 1 < p.nlinks) {
