@@ -384,24 +384,20 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 #define MTC_WARP_ISSUE 2 // lab: 0 never per thread, 1 for every product
 #endif
         constexpr bool warp_issue = MTC_WARP_ISSUE == 1 || (MTC_WARP_ISSUE == 2 && Map::STATIC_ROWS && CW == 2);
-        float total = 0.0f;
+        auto issue_first = [&] {
+#pragma unroll
+            for (int s = 0; s < NB; ++s) {
+                const int t = block + s * nblocks;
+                if (t < tiles) issue(t, codes[s], par[s]);
+            }
+        };
         if constexpr (warp_issue) {
             asm volatile("" ::"f"(ss));
             if constexpr (!Map::STATIC_ROWS) __syncthreads(); // the routed slots' experts (prologue)
-#pragma unroll
-            for (int s = 0; s < NB; ++s) {
-                const int t = block + s * nblocks;
-                if (t < tiles) issue(t, codes[s], par[s]);
-            }
-            total = block_sum(ss, scratch);
-        } else {
-            total = block_sum(ss, scratch);
-#pragma unroll
-            for (int s = 0; s < NB; ++s) {
-                const int t = block + s * nblocks;
-                if (t < tiles) issue(t, codes[s], par[s]);
-            }
+            issue_first();
         }
+        const float total = block_sum(ss, scratch);
+        if constexpr (!warp_issue) issue_first();
         const float inv = pgain ? 1.0f / sqrtf(total / (float)K + map.eps()) : 1.0f; // x̂ = x / √(mean(x²) + eps)
         LAB_STAMP(1);
 #pragma unroll
