@@ -240,8 +240,9 @@ fn decode_chain_against_its_floor() {
     let x_static = arena.alloc(xn * 4).unwrap();
     calla_cuda::synthetic::fill_f32(&gpu, x_static, xn, -1.0, 1.0, 15).unwrap();
     gpu.sync().unwrap();
+    // a link's streamed bytes are bytes_of(its kind, its bytes)
     let chain_with = |mode: ChainMode,
-                      bytes_of: &dyn Fn(usize) -> usize,
+                      bytes_of: &dyn Fn(&str, usize) -> usize,
                       input: Option<DPtr>,
                       n_in: usize|
      -> Vec<Launch> {
@@ -249,13 +250,13 @@ fn decode_chain_against_its_floor() {
         links
             .iter()
             .enumerate()
-            .map(|(i, &(_, bytes, grid))| {
+            .map(|(i, &(kind, bytes, grid))| {
                 let src = weights.offset(offset);
                 offset += bytes.div_ceil(16) * 16;
                 chain_link(
                     &gpu,
                     src,
-                    bytes_of(bytes).div_ceil(16) * 16,
+                    bytes_of(kind, bytes).div_ceil(16) * 16,
                     input.unwrap_or(xs[i % 2]),
                     xs[(i + 1) % 2],
                     n_in,
@@ -267,8 +268,9 @@ fn decode_chain_against_its_floor() {
             })
             .collect()
     };
-    let chain =
-        |mode: ChainMode, bytes_of: &dyn Fn(usize) -> usize| chain_with(mode, bytes_of, None, xn);
+    let chain = |mode: ChainMode, bytes_of: &dyn Fn(usize) -> usize| {
+        chain_with(mode, &|_, b| bytes_of(b), None, xn)
+    };
     let step = |what: &str, launches: &[Launch], bytes: usize| {
         let us = graph_us(&gpu, launches) * launches.len() as f64;
         println!(
@@ -308,22 +310,22 @@ fn decode_chain_against_its_floor() {
     // of the previous link's output (the dependency without the volume)
     step(
         "x first, from a buffer no link writes",
-        &chain_with(ChainMode::InputFirst, &|b| b, Some(x_static), xn),
+        &chain_with(ChainMode::InputFirst, &|_, b| b, Some(x_static), xn),
         total,
     );
     step(
         "x first, 32 bytes of it",
-        &chain_with(ChainMode::InputFirst, &|b| b, None, 8),
+        &chain_with(ChainMode::InputFirst, &|_, b| b, None, 8),
         total,
     );
     step(
         "x first, from a buffer no link writes, no bytes",
-        &chain_with(ChainMode::InputFirst, &|_| 16, Some(x_static), xn),
+        &chain_with(ChainMode::InputFirst, &|_, _| 16, Some(x_static), xn),
         0,
     );
     step(
         "x first, 32 bytes of it, no bytes",
-        &chain_with(ChainMode::InputFirst, &|_| 16, None, 8),
+        &chain_with(ChainMode::InputFirst, &|_, _| 16, None, 8),
         0,
     );
     // hot lines or volume: every block its own copy of a buffer no link writes (all in L2)
@@ -332,12 +334,12 @@ fn decode_chain_against_its_floor() {
     gpu.sync().unwrap();
     step(
         "x first, no link writes it, each block its own copy",
-        &chain_with(ChainMode::InputFirstOwnCopy, &|b| b, Some(copies), xn),
+        &chain_with(ChainMode::InputFirstOwnCopy, &|_, b| b, Some(copies), xn),
         total,
     );
     step(
         "x first, no link writes it, own copies, no bytes",
-        &chain_with(ChainMode::InputFirstOwnCopy, &|_| 16, Some(copies), xn),
+        &chain_with(ChainMode::InputFirstOwnCopy, &|_, _| 16, Some(copies), xn),
         0,
     );
     // The same links as phases of one resident grid, separated by grid barriers.
@@ -447,50 +449,23 @@ fn decode_chain_against_its_floor() {
         step(&format!("x first, {what}"), &launches, total);
     }
     // per kind of link: the same chain, one kind's bytes only (the others' launches stay)
-    let kinds: Vec<&str> = {
-        let mut k: Vec<&str> = links.iter().map(|l| l.0).collect();
-        k.dedup();
-        let mut seen = Vec::new();
-        for n in k {
-            if !seen.contains(&n) {
-                seen.push(n);
-            }
+    let mut kinds: Vec<&str> = Vec::new();
+    for &(kind, _, _) in &links {
+        if !kinds.contains(&kind) {
+            kinds.push(kind);
         }
-        seen
-    };
+    }
     for kind in kinds {
-        let mut i = 0;
-        let launches = {
-            let mut offset = 0;
-            links
-                .iter()
-                .enumerate()
-                .map(|(j, &(name, bytes, grid))| {
-                    let src = weights.offset(offset);
-                    offset += bytes.div_ceil(16) * 16;
-                    i += (name == kind) as usize;
-                    chain_link(
-                        &gpu,
-                        src,
-                        if name == kind {
-                            bytes.div_ceil(16) * 16
-                        } else {
-                            16
-                        },
-                        xs[j % 2],
-                        xs[(j + 1) % 2],
-                        xn,
-                        sink,
-                        grid,
-                        ChainMode::InputFirst,
-                    )
-                    .unwrap()
-                })
-                .collect::<Vec<_>>()
-        };
-        let bytes: usize = links.iter().filter(|l| l.0 == kind).map(|l| l.1).sum();
+        let launches = chain_with(
+            ChainMode::InputFirst,
+            &|k, b| if k == kind { b } else { 16 },
+            None,
+            xn,
+        );
+        let of_kind = links.iter().filter(|l| l.0 == kind);
+        let (count, bytes) = (of_kind.clone().count(), of_kind.map(|l| l.1).sum::<usize>());
         step(
-            &format!("x first, only {kind} ({i}) streamed"),
+            &format!("x first, only {kind} ({count}) streamed"),
             &launches,
             bytes,
         );
