@@ -719,6 +719,9 @@ struct DownParams {
     u64 topk_ids, topk_w, shared_w;
     u64 h;             // [D] in/out
     int D, I, Is, A, group_size, act_stride, slot_begin, slot_end;
+    u64 route_acc;     // or 0: the fused routing's accumulators (below), zeroed here for the next layer
+    int route_acc_len; // i64 words
+    int pad;
 };
 
 // ---------------------------------------------------------------- MoE routing (top-A of the router logits)
@@ -729,12 +732,53 @@ struct DownParams {
 
 // Where a selection goes.
 struct RouteParams {
-    u64 logits;   // [E + 1]: the router logits, then the shared-expert gate's (with shared_gate)
+    u64 logits;   // [E + 1]: the router logits, then the shared-expert gate's (with shared_gate);
+                  // with `fixed`, the fused routing's accumulators (below)
     u64 topk_ids; // out [A] i32
     u64 topk_w;   // out [A] f32
     u64 shared_w; // out [1] f32: sigmoid(shared gate logit), 1 without a gate
     int E, A, norm_topk, shared_gate;
+    int fixed;    // 1: logits are the accumulators, normalised by their Σh² (D, eps)
+    int D;
+    float eps;
+    int pad;
 };
+
+// ---------------------------------------------------------------- fused routing (the router in the out-projection)
+// The router's logits are linear in the residual h apart from the norm's scalar:
+//   logit_e = router_e·x̂ = inv · Σ_k router[e, k]·gain_k·h_k,   inv = 1/√(Σh²/D + eps)
+// so each block of the out-projection that finishes rows [16t, 16t + 16) of h adds its columns' share
+// of every router row (and of the shared-expert gate row, and of Σh²) into accumulators, and the
+// router needs no launch of its own: the gate/up kernel reads the sums and scales them by inv
+// (docs/performance.md, session 8). The sums are integers (fixed point: logits·2^32, Σh²·2^20) so
+// that they are exact and independent of the order the blocks arrive in — the same logits every
+// run, ties included. Tile t adds into copy t % ROUTE_COPIES (fewer atomics per address).
+//   acc: i64 [ROUTE_COPIES][route_acc_stride(E)]: [0, E) logits, E the shared-expert gate, E + 1 Σh².
+#ifndef ROUTE_COPIES
+#define ROUTE_COPIES 4 // lab: 1 or 2 (the buffers hold 4)
+#endif
+#define ROUTE_LOGIT_UNIT 4294967296.0f // 2^32
+#define ROUTE_SQ_UNIT 1048576.0f       // 2^20
+__device__ __forceinline__ int route_acc_stride(int E) { return (E + 2 + 15) & ~15; }
+__device__ __forceinline__ void route_acc_add(i64* at, float v, float unit) {
+    atomicAdd((unsigned long long*)at, (unsigned long long)__float2ll_rn(v * unit)); // a red: result unused
+}
+__device__ __forceinline__ i64 route_acc_sum(const i64* acc, int stride, int i) {
+    i64 s = 0;
+#pragma unroll
+    for (int c = 0; c < ROUTE_COPIES; ++c) {
+        i64 v;
+        asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(v) : "l"(acc + c * stride + i));
+        s += v;
+    }
+    return s;
+}
+// The accumulators back to zero once their layer's gate/up has read them (the MoE down kernel, one
+// block; the next writer is the next layer's out-projection).
+__device__ __forceinline__ void route_acc_clear(const DownParams& p) {
+    if (p.route_acc && blockIdx.x == gridDim.x - 1)
+        for (int i = threadIdx.x; i < p.route_acc_len; i += blockDim.x) ((i64*)p.route_acc)[i] = 0;
+}
 
 // Top-A of the router logits sl[0, E) (shared memory, 16-byte aligned, E ≤ MOE_MAX_E, A ≤ MOE_MAX_A)
 // with all of a block's threads, by ranks: a logit's rank is how many logits beat it (ties: the lower
@@ -812,6 +856,17 @@ __device__ __forceinline__ void select_top(float* sl, int E, int A, float2* cand
 // L2) into sl [E], and the shared-expert gate's logit (thread 0's return value; requested with the
 // others rather than after the selection). No barrier.
 __device__ __forceinline__ float route_load_logits(const RouteParams& r, float* sl) {
+    if (r.fixed) { // the fused routing's sums: Σh², then every logit scaled by the norm's inv
+        const i64* acc = (const i64*)r.logits;
+        const int stride = route_acc_stride(r.E);
+        const float ss = __ll2float_rn(route_acc_sum(acc, stride, r.E + 1)) * (1.0f / ROUTE_SQ_UNIT);
+        const float inv = 1.0f / sqrtf(ss / (float)r.D + r.eps);
+        for (int e = threadIdx.x; e < r.E; e += blockDim.x)
+            sl[e] = __ll2float_rn(route_acc_sum(acc, stride, e)) * (1.0f / ROUTE_LOGIT_UNIT) * inv;
+        return r.shared_gate && threadIdx.x == 0
+                   ? __ll2float_rn(route_acc_sum(acc, stride, r.E)) * (1.0f / ROUTE_LOGIT_UNIT) * inv
+                   : 0.0f;
+    }
     const volatile float* logits = (const volatile float*)r.logits;
     for (int e = threadIdx.x; e < r.E; e += blockDim.x) sl[e] = logits[e];
     return r.shared_gate && threadIdx.x == 0 ? logits[r.E] : 0.0f;
@@ -855,5 +910,5 @@ __device__ __forceinline__ void route_select(const RouteParams& r, float* sl, fl
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(MatrixRef) == 32, "MatrixRef layout differs from its Rust twin");
-static_assert(sizeof(RouteParams) == 48, "RouteParams layout differs from its Rust twin");
+static_assert(sizeof(RouteParams) == 64, "RouteParams layout differs from its Rust twin");
 static_assert(sizeof(Cursor) == 16, "Cursor layout differs from its Rust twin");

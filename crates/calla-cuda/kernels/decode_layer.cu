@@ -330,4 +330,4 @@ DECODE_LAYER_KERNEL(8, q4, FMT_Q4)
 static_assert(LAYER_THREADS == MATVEC_THREADS && LAYER_THREADS == DN_THREADS && LAYER_THREADS == MOE_THREADS,
               "the phases' device functions assume one block shape");
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
-static_assert(sizeof(LayerParams) == 1024, "LayerParams layout differs from its Rust twin");
+static_assert(sizeof(LayerParams) == 1040, "LayerParams layout differs from its Rust twin");

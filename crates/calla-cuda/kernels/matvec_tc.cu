@@ -127,6 +127,93 @@ __device__ __forceinline__ void tc_chunk(const uint4& r0, const uint4& r8, u32 s
 // to shared memory is published by the x barrier). HEAD_NORM and `chunk_scales`: a scale per chunk of
 // 128 columns on its products (the DeltaNet head norm). LAB: whether its launches write lab stamps.
 
+// The fused routing's producer side (common.cuh, "fused routing"): an out-projection y = h += W·x
+// whose blocks, once a tile's 16 rows of h are final, add those columns' share of every router row,
+// of the shared-expert gate row and of Σh² into the accumulators. Thread e takes router row e (and
+// e + 256, …): 16 codes, one 16-byte (q8) or 8-byte (q4) load, requested at the kernel's start for the
+// block's first tile. Shape: y has D = total_rows rows (one segment), D % 16 == 0.
+struct RouteTail {
+    MatrixRef router; // [E, D] q8 or q4, affine, bf16 (scale, bias) per group of group_size ≥ 16
+    u64 gain;         // [D] the post-attention norm's gain (1 + w)
+    u64 shared_gate;  // [D] f32, or 0
+    u64 acc;          // i64 [ROUTE_COPIES][route_acc_stride(E)], zero on entry
+    int E, bits, group_size, pad;
+};
+struct RouteRegs { // one thread's share of a tile's routing, loaded early
+    uint4 codes;
+    u32 prm;
+    float gain, sg; // threads < 16: the gain and shared-gate weight of row 16t + tid
+};
+struct NoTail {};
+template <bool B, typename T, typename F> struct PickType { typedef T type; }; // std::conditional (NVRTC has no <type_traits>)
+template <typename T, typename F> struct PickType<false, T, F> { typedef F type; };
+
+// Router row e's 16 codes and (scale, bias) over columns [16t, 16t + 16), and for threads < 16 their
+// column's gain and shared-gate weight.
+__device__ __forceinline__ RouteRegs route_tail_load(const RouteTail& rt, int t, int e) {
+    RouteRegs r;
+    r.codes = make_uint4(0u, 0u, 0u, 0u);
+    r.prm = 0u;
+    r.gain = r.sg = 0.0f;
+    if (e < rt.E) {
+        const u8* row = (const u8*)rt.router.data + (i64)e * rt.router.row_bytes;
+        if (rt.bits == 8) {
+            r.codes = ldg16(row + 16 * t);
+        } else {
+            const uint2 v = *(const uint2*)(row + 8 * t);
+            r.codes = make_uint4(v.x, v.y, 0u, 0u);
+        }
+        r.prm = *(const u32*)((const u8*)rt.router.params +
+                              ((i64)e * rt.router.groups_per_row + 16 * t / rt.group_size) * 4);
+    }
+    if (threadIdx.x < 16) {
+        r.gain = ((const float*)rt.gain)[16 * t + threadIdx.x];
+        r.sg = rt.shared_gate ? ((const float*)rt.shared_gate)[16 * t + threadIdx.x] : 0.0f;
+    }
+    return r;
+}
+
+// Tile t's share of the routing: h_new is row 16t + tid's final value (threads < 16); every thread of
+// the block calls this (one barrier). hs: shared [16].
+__device__ __forceinline__ void route_tail(const RouteTail& rt, int t, float h_new, const RouteRegs& first,
+                                           bool is_first, float* hs) {
+    const int tid = threadIdx.x;
+    i64* acc = (i64*)rt.acc + (t & (ROUTE_COPIES - 1)) * route_acc_stride(rt.E);
+    const RouteRegs mine = is_first ? first : route_tail_load(rt, t, tid);
+    if (tid < 32) { // warp 0: x̂'s numerator g·h, Σh² and the shared gate's share
+        const float hg = tid < 16 ? h_new * mine.gain : 0.0f;
+        if (tid < 16) hs[tid] = hg;
+        float sq = tid < 16 ? h_new * h_new : 0.0f, gp = hg * mine.sg;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) {
+            sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            gp += __shfl_xor_sync(0xffffffffu, gp, o);
+        }
+        if (tid == 0) {
+            route_acc_add(acc + rt.E + 1, sq, ROUTE_SQ_UNIT);
+            if (rt.shared_gate) route_acc_add(acc + rt.E, gp, ROUTE_LOGIT_UNIT);
+        }
+    }
+    __syncthreads();
+    float hv[16], hsum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        hv[k] = hs[k];
+        hsum += hv[k];
+    }
+    for (int e = tid; e < rt.E; e += blockDim.x) {
+        const RouteRegs r = e == tid ? mine : route_tail_load(rt, t, e);
+        const u32 words[4] = {r.codes.x, r.codes.y, r.codes.z, r.codes.w};
+        float dot = 0.0f; // Σ q·(g·h)
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+            const u32 q = rt.bits == 8 ? (words[k >> 2] >> (8 * (k & 3))) & 255u : (words[k >> 3] >> (4 * (k & 7))) & 15u;
+            dot = fmaf((float)q, hv[k], dot);
+        }
+        route_acc_add(acc + e, fmaf(bf16_lo(r.prm), dot, bf16_hi(r.prm) * hsum), ROUTE_LOGIT_UNIT);
+    }
+}
+
 // The plain matvec's parameters: matvec.cu's, and for matvec_tc_headnorm_q4_c* the end of the Gated
 // DeltaNet's output norm (the DeltaNet out-projection): deltanet.cu's `_parts` kernels leave x =
 // w·o·silu(z) and, after its K values, `nparts` sums of o² per head (one per block of the head); here
@@ -142,6 +229,7 @@ struct TcMatvecParams {
     u64 pad0;
     int head_dim;   // Dv, a multiple of 128
     int nparts;     // ≤ 8
+    RouteTail route; // matvec_tc_*route_q4_c*: the MoE router over y (common.cuh, fused routing)
 };
 
 // Plain matvec: y_seg (+)= W_seg·x̂ over up to 4 stacked segments; HEAD_NORM: the DeltaNet head norm.
@@ -152,9 +240,10 @@ struct TcMatvecParams {
 #else
 #define MTC_LAB_MATVEC 1
 #endif
-template <bool HN>
+template <bool HN, bool ROUTE = false>
 struct MatvecMapT {
     static constexpr bool HEAD_NORM = HN;
+    typedef typename PickType<ROUTE, RouteRegs, NoTail>::type Tail;
     static constexpr bool STATIC_ROWS = true; // row() depends on the parameters only
     static constexpr int LAB = MTC_LAB_MATVEC;
     const MatvecParams& p;
@@ -195,15 +284,27 @@ struct MatvecMapT {
         matvec_locate(p, 16 * t + tid, seg, local);
         return ldcg_f32((const float*)p.seg[seg].out + local);
     }
-    __device__ void finish(int t, int tid, const float (*red)[16], bool has_old, float old) const {
-        if (tid >= 16 || 16 * t + tid >= p.total_rows) return;
+    // Threads tid < 16 of tile t: the row's sum into y; returns the value written.
+    __device__ float finish(int t, int tid, const float (*red)[16], bool has_old, float old) const {
+        if (tid >= 16 || 16 * t + tid >= p.total_rows) return 0.0f;
         float v = 0.0f;
 #pragma unroll
         for (int w = 0; w < MTC_WARPS; ++w) v += red[w][tid];
         int seg, local;
         matvec_locate(p, 16 * t + tid, seg, local);
         float* y = (float*)p.seg[seg].out;
-        y[local] = p.accumulate ? (has_old ? old : ldcg_f32(y + local)) + v : v;
+        const float out = p.accumulate ? (has_old ? old : ldcg_f32(y + local)) + v : v;
+        y[local] = out;
+        return out;
+    }
+    // The fused routing (ROUTE): its loads for the block's first tile t, and each tile's share after
+    // its rows are final (every thread; y_t = finish's value).
+    __device__ Tail tail_load(int t) const {
+        if constexpr (ROUTE) return route_tail_load(tp.route, t, threadIdx.x);
+        else return Tail{};
+    }
+    __device__ void tail(int t, float y_t, const Tail& first, bool is_first, float* hs) const {
+        if constexpr (ROUTE) route_tail(tp.route, t, y_t, first, is_first, hs);
     }
 };
 
@@ -265,11 +366,14 @@ struct GateUpMap {
         prm = (const u8*)m.params + row * m.groups_per_row * 4;
     }
     __device__ float old_value(int, int) const { return 0.0f; } // act is written, not added to
-    __device__ void finish(int t, int tid, const float (*red)[16], bool, float) const {
+    typedef NoTail Tail;
+    __device__ Tail tail_load(int) const { return Tail{}; }
+    __device__ void tail(int, float, const Tail&, bool, float*) const {}
+    __device__ float finish(int t, int tid, const float (*red)[16], bool, float) const {
         const int s = t / per_slot(), slot = s + p.slot_offset;
         const int n = slot < p.A ? p.I : p.Is;
         const int j = (t - s * per_slot()) * 8 + tid;
-        if (tid >= 8 || j >= n) return;
+        if (tid >= 8 || j >= n) return 0.0f;
         float gate = 0.0f, up = 0.0f;
 #pragma unroll
         for (int w = 0; w < MTC_WARPS; ++w) {
@@ -277,6 +381,7 @@ struct GateUpMap {
             up += red[w][tid + 8];
         }
         ((float*)p.act)[(i64)slot * p.act_stride + j] = silu_f(gate) * up;
+        return 0.0f;
     }
 };
 
@@ -323,6 +428,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     }
 
     const float y_old = MTC_EARLY_OLD && block < tiles ? map.old_value(block, tid) : 0.0f;
+    const typename Map::Tail tail_first = map.tail_load(min(block, tiles - 1)); // fused routing's loads
     map.prologue(); // while x is on its way (gate/up: the routing)
     LAB_STAMP(7);
 
@@ -443,7 +549,8 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         if (lab_first) LAB_STAMP(4);
         __syncthreads();
         if (lab_first) LAB_STAMP(5);
-        map.finish(t, tid, red[buf], MTC_EARLY_OLD && t == block, y_old);
+        const float y_t = map.finish(t, tid, red[buf], MTC_EARLY_OLD && t == block, y_old);
+        map.tail(t, y_t, tail_first, t == block, scratch);
     };
 
     // Tile j of this block is block + j·nblocks, held in register slot j % NB; its slot is
@@ -480,6 +587,12 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_headnorm_q4_c##CW(const TcMatvecParams p) { \
         tc_body<CW, NB>(MatvecMapT<true>{p.m, p}); \
     } \
+    extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_route_q4_c##CW(const TcMatvecParams p) { \
+        tc_body<CW, NB>(MatvecMapT<false, true>{p.m, p}); \
+    } \
+    extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_headnorm_route_q4_c##CW(const TcMatvecParams p) { \
+        tc_body<CW, NB>(MatvecMapT<true, true>{p.m, p}); \
+    } \
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c##CW(const TcGateUpParams p) { \
         __shared__ int expert[MOE_MAX_A + 1]; \
         __shared__ GateUpSelect sel; \
@@ -506,6 +619,7 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     const int nslots = p.slot_end - p.slot_begin;
     const int n_routed = max(0, min(p.slot_end, p.A) - p.slot_begin);
     griddep_enter();
+    route_acc_clear(p);
     const int cr = p.I / 128, cs = p.Is / 128; // chunks of a routed and of the shared slot
     const int chunks = n_routed * cr + (p.slot_end > p.A ? cs : 0);
     uint4* bfrag = (uint4*)smem4;                     // [chunks][4 words][4 lanes c][hi, lo]
@@ -610,6 +724,6 @@ LAB_STAMPS_COPY(matvec_tc_lab_stamps)
 
 static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");
 static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
-static_assert(sizeof(TcGateUpParams) == 176, "TcGateUpParams layout differs from its Rust twin");
-static_assert(sizeof(TcMatvecParams) == 256, "TcMatvecParams layout differs from its Rust twin");
-static_assert(sizeof(DownParams) == 136, "DownParams layout differs from its Rust twin");
+static_assert(sizeof(TcGateUpParams) == 192, "TcGateUpParams layout differs from its Rust twin");
+static_assert(sizeof(TcMatvecParams) == 328, "TcMatvecParams layout differs from its Rust twin");
+static_assert(sizeof(DownParams) == 152, "DownParams layout differs from its Rust twin");

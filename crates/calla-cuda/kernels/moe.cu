@@ -53,6 +53,10 @@ __device__ __forceinline__ RouteParams route_of(const RouterParams& p) {
     r.A = p.A;
     r.norm_topk = p.norm_topk;
     r.shared_gate = p.shared_gate != 0;
+    r.fixed = 0; // float logits from router_rows
+    r.D = p.D;
+    r.eps = p.eps;
+    r.pad = 0;
     return r;
 }
 
@@ -270,6 +274,7 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
     LAB_ON(1);
     LAB_STAMP(0);
     griddep_enter();
+    route_acc_clear(p);
     const int nslots = p.slot_end - p.slot_begin, pitch = xpad_len(p.act_stride);
     float* usum = acts + nslots * pitch;
     for (int s = threadIdx.x; s < nslots; s += blockDim.x) {
@@ -314,5 +319,5 @@ LAB_STAMPS_COPY(moe_lab_stamps)
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(RouterParams) == 128, "RouterParams layout differs from its Rust twin");
 static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
-static_assert(sizeof(DownParams) == 136, "DownParams layout differs from its Rust twin");
-static_assert(sizeof(MoePersistentParams) == 408, "MoePersistentParams layout differs from its Rust twin");
+static_assert(sizeof(DownParams) == 152, "DownParams layout differs from its Rust twin");
+static_assert(sizeof(MoePersistentParams) == 424, "MoePersistentParams layout differs from its Rust twin");

@@ -24,7 +24,7 @@ use crate::gpu::{DPtr, Gpu, Launch};
 use crate::matvec;
 use crate::moe::{self, MoeIo, MoeWeightsRef};
 use crate::pool::Arena;
-use crate::weights::{DevFfn, DevMixer, DevModel};
+use crate::weights::{DevFfn, DevMatrix, DevMixer, DevModel};
 
 /// Byte offsets of each layer's state inside a sequence's state buffer.
 #[derive(Debug, Clone)]
@@ -100,6 +100,8 @@ pub struct Scratch {
     pub topk_w: DPtr,
     pub shared_w: DPtr,
     pub router_counter: DPtr,
+    /// the fused routing's accumulators (i64 [moe::route_acc_words], zero between layers)
+    pub route_acc: DPtr,
     /// the persistent decode layer's grid barrier (two zeroed u64 words)
     pub layer_sync: crate::grid_sync::GridSync,
     pub act: DPtr,
@@ -168,6 +170,7 @@ impl Scratch {
             topk_w: f32s(a)?,
             shared_w: f32s(1)?,
             router_counter: f32s(1)?,
+            route_acc: f32s(2 * crate::moe::route_acc_words(e))?,
             layer_sync,
             act: f32s((a + 1) * act_stride)?,
             act_stride,
@@ -194,6 +197,8 @@ fn arena_upload_one(arena: &mut Arena, at: DPtr) -> Result<()> {
 }
 
 /// The launches of one layer for one token: `h += mixer(rmsnorm(h))`, then `h += ffn(rmsnorm(h))`.
+/// Where the formats allow, the MoE router runs inside the mixer's out-projection (the fused
+/// routing, moe::fused_route_tail) instead of as a launch of its own.
 pub fn layer_launches(
     gpu: &Gpu,
     spec: &ModelSpec,
@@ -202,8 +207,20 @@ pub fn layer_launches(
     s: &Scratch,
     i: usize,
 ) -> Result<Vec<Launch>> {
-    let mut out = mixer_launches(gpu, spec, model, layout, s, i)?;
-    out.extend(ffn_launches(gpu, spec, model, s, i)?);
+    let io = moe_io(model, spec, s, i);
+    let weights = moe_weights(model, spec, i);
+    let route = weights.as_ref().and_then(|w| {
+        let (out_proj, k) = match &model.layers[i].mixer {
+            DevMixer::DeltaNet(m) => (&m.out_proj, spec.linear_value_dim()),
+            DevMixer::Attention(m) => (&m.o_proj, spec.num_attention_heads * spec.head_dim),
+        };
+        moe::fused_route_tail(w, &io, out_proj, k, s.route_acc)
+    });
+    let mut out = mixer_launches_routed(gpu, spec, model, layout, s, i, route.as_ref())?;
+    match (&weights, route) {
+        (Some(w), Some(_)) => out.extend(moe::moe_after_fused_routing(gpu, w, &io, s.route_acc)?),
+        _ => out.extend(ffn_launches(gpu, spec, model, s, i)?),
+    }
     Ok(out)
 }
 
@@ -215,6 +232,19 @@ pub fn mixer_launches(
     layout: &StateLayout,
     s: &Scratch,
     i: usize,
+) -> Result<Vec<Launch>> {
+    mixer_launches_routed(gpu, spec, model, layout, s, i, None)
+}
+
+/// [`mixer_launches`], with the out-projection also running the MoE router (`route`).
+fn mixer_launches_routed(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    layout: &StateLayout,
+    s: &Scratch,
+    i: usize,
+    route: Option<&moe::RouteTail>,
 ) -> Result<Vec<Launch>> {
     let d = spec.hidden_size;
     let layer = &model.layers[i];
@@ -254,33 +284,34 @@ pub fn mixer_launches(
                     head_norm,
                     &(w.out_proj, s.h),
                     true,
+                    route,
                 )?);
             } else {
                 out.push(deltanet::decode(gpu, spec, &io)?);
-                out.extend(matvec::matvec(
-                    gpu,
-                    s.dn_y,
-                    kv,
-                    None,
-                    &[(w.out_proj, s.h)],
-                    true,
-                )?);
+                out.extend(out_projection(gpu, s.dn_y, kv, &(w.out_proj, s.h), route)?);
             }
         }
         DevMixer::Attention(w) => {
             out.extend(attention_core_launches(gpu, spec, model, layout, s, i)?);
             let k = spec.num_attention_heads * spec.head_dim;
-            out.extend(matvec::matvec(
-                gpu,
-                s.at_y,
-                k,
-                None,
-                &[(w.o_proj, s.h)],
-                true,
-            )?);
+            out.extend(out_projection(gpu, s.at_y, k, &(w.o_proj, s.h), route)?);
         }
     }
     Ok(out)
+}
+
+/// `h += W·y`, with the MoE router over the new h when `route` is given.
+fn out_projection(
+    gpu: &Gpu,
+    y: DPtr,
+    k: usize,
+    segment: &(DevMatrix, DPtr),
+    route: Option<&moe::RouteTail>,
+) -> Result<Vec<Launch>> {
+    match route {
+        Some(r) => Ok(vec![matvec::matvec_routed(gpu, y, k, segment, r)?]),
+        None => matvec::matvec(gpu, y, k, None, std::slice::from_ref(segment), true),
+    }
 }
 
 /// An attention layer's in-projection and attention (into `s.at_y`), without the output projection.

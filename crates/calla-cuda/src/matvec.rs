@@ -140,6 +140,8 @@ pub struct TcMatvecParams {
     pub pad0: u64,
     pub head_dim: i32,
     pub nparts: i32,
+    /// the fused routing (`matvec_tc_*route_q4_c*`), else unused
+    pub route: crate::moe::RouteTail,
 }
 
 /// The end of the Gated DeltaNet's output norm, applied to the out-projection's input: the input
@@ -167,7 +169,8 @@ pub fn head_norm_applies(engine: DotEngine, k: usize, norm: HeadNorm, m: &DevMat
 }
 
 /// `y (+)= W·x̂` on the tensor cores with the [`HeadNorm`] (see [`head_norm_applies`]); x holds `k`
-/// values and then the parts.
+/// values and then the parts. With `route`, y is the residual h (accumulate) and the blocks also run
+/// the MoE router over it (the fused routing, [`crate::moe::fused_route_tail`]).
 pub fn matvec_head_norm(
     gpu: &Gpu,
     x: DPtr,
@@ -175,6 +178,7 @@ pub fn matvec_head_norm(
     norm: HeadNorm,
     segment: &(DevMatrix, DPtr),
     accumulate: bool,
+    route: Option<&crate::moe::RouteTail>,
 ) -> Result<Launch> {
     ensure!(
         head_norm_applies(DotEngine::TensorCores, k, norm, &segment.0),
@@ -189,9 +193,43 @@ pub fn matvec_head_norm(
         pad0: 0,
         head_dim: norm.head_dim as i32,
         nparts: norm.nparts as i32,
+        route: route.copied().unwrap_or_default(),
     };
-    let name = format!("matvec_tc_headnorm_q4_c{}", k / 1024);
+    ensure!(
+        route.is_none() || accumulate,
+        "the fused routing runs on the residual (an accumulating product)"
+    );
+    let kind = if route.is_some() {
+        "headnorm_route"
+    } else {
+        "headnorm"
+    };
+    let name = format!("matvec_tc_{kind}_q4_c{}", k / 1024);
     tensor_core_launch(gpu, &name, k, p.total_rows as usize, &tp)
+}
+
+/// `h += W·x` on the tensor cores, with the MoE router run over the new h by the same blocks (the
+/// fused routing, [`crate::moe::fused_route_tail`], which checks that it applies).
+pub fn matvec_routed(
+    gpu: &Gpu,
+    x: DPtr,
+    k: usize,
+    segment: &(DevMatrix, DPtr),
+    route: &crate::moe::RouteTail,
+) -> Result<Launch> {
+    let chunks = tensor_core_chunks(k, &[segment]);
+    ensure!(
+        chunks.is_some(),
+        "fused routing: the tensor-core matvec does not take K {k}, {:?}",
+        segment.0.format
+    );
+    let tp = TcMatvecParams {
+        m: params(x, k, None, &[segment], true)?,
+        route: *route,
+        ..Default::default()
+    };
+    let name = format!("matvec_tc_route_q4_c{}", k / 1024);
+    tensor_core_launch(gpu, &name, k, tp.m.total_rows as usize, &tp)
 }
 
 /// A kernels/matvec_tc.cu matvec launch: 16-row tiles over a grid of at most the blocks that fit at

@@ -69,6 +69,35 @@ pub struct RouteParams {
     pub a: i32,
     pub norm_topk: i32,
     pub shared_gate: i32,
+    /// 1: `logits` are the fused routing's accumulators, normalised by their Σh² (`d`, `eps`)
+    pub fixed: i32,
+    pub d: i32,
+    pub eps: f32,
+    pub pad: i32,
+}
+
+/// Accumulator copies of the fused routing (common.cuh ROUTE_COPIES).
+pub const ROUTE_COPIES: usize = 4;
+
+/// i64 words of the fused routing's accumulators for `e` experts (common.cuh route_acc_stride):
+/// per copy, E logits, the shared-expert gate, Σh².
+pub fn route_acc_words(e: usize) -> usize {
+    ROUTE_COPIES * (e + 2).next_multiple_of(16)
+}
+
+/// The fused routing's producer side (matvec_tc.cu RouteTail): the router's rows, applied by the
+/// out-projection's blocks to the rows of h they finish (`matvec_tc_*route_q4_c*`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouteTail {
+    pub router: MatrixRef,
+    pub gain: u64,
+    pub shared_gate: u64,
+    pub acc: u64,
+    pub e: i32,
+    pub bits: i32,
+    pub group_size: i32,
+    pub pad: i32,
 }
 
 /// The tensor-core gate/up's parameters (matvec_tc.cu TcGateUpParams): with `route.logits` set,
@@ -98,6 +127,10 @@ pub struct DownParams {
     pub act_stride: i32,
     pub slot_begin: i32,
     pub slot_end: i32,
+    /// the fused routing's accumulators, zeroed by this launch (or 0), and their i64 words
+    pub route_acc: u64,
+    pub route_acc_len: i32,
+    pub pad: i32,
 }
 
 /// Device buffers of one MoE (or dense MLP) step.
@@ -241,6 +274,7 @@ fn down_launch(
     a: usize,
     slots: (usize, usize),
     engine: DotEngine,
+    clear: Option<(DPtr, usize)>,
 ) -> Result<Launch> {
     let m = routed.map(|r| r.0).or(shared.map(|s| s.0)).expect("a slot");
     ensure!(
@@ -265,6 +299,9 @@ fn down_launch(
         act_stride: io.act_stride as i32,
         slot_begin: slots.0 as i32,
         slot_end: slots.1 as i32,
+        route_acc: clear.map(|c| c.0 .0).unwrap_or(0),
+        route_acc_len: clear.map(|c| c.1).unwrap_or(0) as i32,
+        pad: 0,
     };
     // kernels/matvec_tc.cu: the slots' rows as one virtual row of chunks of 128 columns, at most
     // TC_DOWN_CHUNKS of them (9 slots of 512 in the real model: 36)
@@ -363,12 +400,97 @@ pub fn router_launch(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, selects: bool) ->
 /// The sparse MoE block: router+top-k, gate/up, down+combine+residual (3 launches when the shared
 /// expert has the routed experts' format; 5 otherwise).
 pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
-    moe_on(gpu, w, io, DotEngine::default_for_run())
+    moe_on(gpu, w, io, DotEngine::default_for_run(), None)
+}
+
+/// The MoE block after an out-projection that ran the router ([`fused_route_tail`] with the same
+/// `acc`): no router launch; gate/up selects from the accumulators and normalises h itself, and
+/// down clears the accumulators for the next layer.
+pub fn moe_after_fused_routing(
+    gpu: &Gpu,
+    w: &MoeWeightsRef,
+    io: &MoeIo,
+    acc: DPtr,
+) -> Result<Vec<Launch>> {
+    moe_on(gpu, w, io, DotEngine::default_for_run(), Some(acc))
+}
+
+/// Where the router runs: the lab switch `CALLA_ROUTER` = `ticket` (its own launch, whose last block
+/// selects), `launch` (its own launch; every gate/up block selects), else fused into the
+/// out-projection where the formats allow ([`fused_route_tail`]).
+fn router_mode() -> String {
+    std::env::var("CALLA_ROUTER").unwrap_or_default()
+}
+
+/// The fused routing for layer weights `w` after an out-projection `out_proj` of `k` inputs, when it
+/// applies: the out-projection on the tensor-core kernel (q4, K 1024·{1, 2, 4}, one segment of D
+/// rows, D % 16 == 0), a q8 or q4 router with bf16 parameters in groups of a multiple of 16, and
+/// gate/up selecting on the tensor cores. `acc`: [`route_acc_words`] zeroed i64 words.
+pub fn fused_route_tail(
+    w: &MoeWeightsRef,
+    io: &MoeIo,
+    out_proj: &DevMatrix,
+    k: usize,
+    acc: DPtr,
+) -> Option<RouteTail> {
+    let engine = DotEngine::default_for_run();
+    let d = w.router.cols;
+    let r = w.router;
+    let applies = router_mode().is_empty()
+        && engine == DotEngine::TensorCores
+        && tensor_core_format(out_proj)
+        && matches!(k, 1024 | 2048 | 4096)
+        && out_proj.cols == k
+        && out_proj.rows == d
+        && d.is_multiple_of(16)
+        && matches!(r.format, Format::Q8 | Format::Q4)
+        && !r.param_f32
+        && r.group_size >= 16
+        && r.group_size.is_multiple_of(16)
+        && w.experts <= MAX_EXPERTS
+        && w.top_k <= MAX_ACTIVE
+        && gate_up_selects(w, engine);
+    applies.then(|| RouteTail {
+        router: r.kref(),
+        gain: io.norm_gain.0,
+        shared_gate: w.shared_gate.map(|g| g.0).unwrap_or(0),
+        acc: acc.0,
+        e: w.experts as i32,
+        bits: if r.format == Format::Q8 { 8 } else { 4 },
+        group_size: r.group_size as i32,
+        pad: 0,
+    })
+}
+
+/// Whether the shared expert has the routed experts' formats (one gate/up and one down launch).
+fn shared_same_format(w: &MoeWeightsRef) -> Option<bool> {
+    w.shared.map(|(gu, dn)| {
+        (gu.format, gu.group_size) == (w.gate_up.format, w.gate_up.group_size)
+            && (dn.format, dn.group_size) == (w.down.format, w.down.group_size)
+    })
+}
+
+/// Whether the top-k is taken in every block of the tensor-core gate/up (it runs the routed experts;
+/// the router then needs no ticket: docs/performance.md, session 6), not in the router's last block.
+fn gate_up_selects(w: &MoeWeightsRef, engine: DotEngine) -> bool {
+    let first_shared = w
+        .shared
+        .filter(|_| shared_same_format(w) == Some(true))
+        .map(|s| s.0);
+    router_mode() != "ticket"
+        && tensor_core_gate_up(engine, w.router.cols, Some(w.gate_up), first_shared)
 }
 
 /// [`moe`] with the gate/up products on a chosen dot-product engine (q4 experts in groups of 64 on
-/// the tensor cores, when the shapes allow; the CUDA-core kernels otherwise).
-pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Result<Vec<Launch>> {
+/// the tensor cores, when the shapes allow; the CUDA-core kernels otherwise), after the fused
+/// routing when `fused` holds its accumulators.
+fn moe_on(
+    gpu: &Gpu,
+    w: &MoeWeightsRef,
+    io: &MoeIo,
+    engine: DotEngine,
+    fused: Option<DPtr>,
+) -> Result<Vec<Launch>> {
     let d = w.router.cols;
     let (e, a) = (w.experts, w.top_k);
     ensure!(
@@ -381,18 +503,14 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
         "expert shapes inconsistent"
     );
     crate::matvec::check_staged_input(d, true)?;
-    let same = w.shared.map(|(gu, dn)| {
-        (gu.format, gu.group_size) == (w.gate_up.format, w.gate_up.group_size)
-            && (dn.format, dn.group_size) == (w.down.format, w.down.group_size)
-    });
-    // Where the top-k is taken: in every block of the tensor-core gate/up when it runs the routed
-    // experts (the router then needs no ticket: docs/performance.md, session 6), else in the
-    // router's last block. CALLA_ROUTER=ticket keeps it in the router (to compare).
-    let first_shared = w.shared.filter(|_| same == Some(true)).map(|s| s.0);
-    let gate_up_selects = std::env::var("CALLA_ROUTER").as_deref() != Ok("ticket")
-        && tensor_core_gate_up(engine, d, Some(w.gate_up), first_shared);
-    let route = gate_up_selects.then(|| RouteParams {
-        logits: io.logits.0,
+    let same = shared_same_format(w);
+    let selects = gate_up_selects(w, engine);
+    ensure!(
+        fused.is_none() || selects,
+        "fused routing needs the tensor-core gate/up to select"
+    );
+    let route = selects.then(|| RouteParams {
+        logits: fused.unwrap_or(io.logits).0,
         topk_ids: io.topk_ids.0,
         topk_w: io.topk_w.0,
         shared_w: io.shared_w.0,
@@ -400,15 +518,28 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
         a: a as i32,
         norm_topk: w.norm_topk as i32,
         shared_gate: w.shared_gate.is_some() as i32,
+        fixed: fused.is_some() as i32,
+        d: d as i32,
+        eps: io.eps,
+        pad: 0,
     });
-    let mut launches = vec![router_launch(gpu, w, io, !gate_up_selects)?];
+    // With the fused routing there is no router launch to leave x̂: gate/up normalises h itself.
+    let (x, norm) = if fused.is_some() {
+        (io.h, true)
+    } else {
+        (io.xn, false)
+    };
+    let mut launches = Vec::new();
+    if fused.is_none() {
+        launches.push(router_launch(gpu, w, io, !selects)?);
+    }
     match (w.shared, same) {
         (Some((sgu, _)), Some(true)) => {
             launches.push(gate_up_launch(
                 gpu,
                 io,
-                io.xn,
-                false,
+                x,
+                norm,
                 Some((w.gate_up, i, a)),
                 Some(sgu),
                 (0, a + 1),
@@ -420,8 +551,8 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
             launches.push(gate_up_launch(
                 gpu,
                 io,
-                io.xn,
-                false,
+                x,
+                norm,
                 Some((w.gate_up, i, a)),
                 None,
                 (0, a),
@@ -431,8 +562,8 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
             launches.push(gate_up_launch(
                 gpu,
                 io,
-                io.xn,
-                false,
+                x,
+                norm,
                 None,
                 Some(sgu),
                 (a, a + 1),
@@ -443,8 +574,8 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
         (None, _) => launches.push(gate_up_launch(
             gpu,
             io,
-            io.xn,
-            false,
+            x,
+            norm,
             Some((w.gate_up, i, a)),
             None,
             (0, a),
@@ -452,6 +583,8 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
             route,
         )?),
     }
+    // the last down launch clears the fused routing's accumulators
+    let clear = fused.map(|acc| (acc, route_acc_words(e)));
     match (w.shared, same) {
         (Some((_, sdn)), Some(true)) => {
             launches.push(down_launch(
@@ -462,6 +595,7 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
                 a,
                 (0, a + 1),
                 engine,
+                clear,
             )?);
         }
         (Some((_, sdn)), _) => {
@@ -473,6 +607,7 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
                 a,
                 (0, a),
                 engine,
+                None,
             )?);
             launches.push(down_launch(
                 gpu,
@@ -482,6 +617,7 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
                 a,
                 (a, a + 1),
                 engine,
+                clear,
             )?);
         }
         (None, _) => launches.push(down_launch(
@@ -492,6 +628,7 @@ pub fn moe_on(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, engine: DotEngine) -> Re
             a,
             (0, a),
             engine,
+            clear,
         )?),
     }
     Ok(launches)
@@ -524,6 +661,7 @@ pub fn dense_mlp(
             0,
             (0, 1),
             DotEngine::default_for_run(),
+            None,
         )?,
     ])
 }

@@ -9,7 +9,7 @@ fn parameter_structs_match_the_kernels() {
     let sizes = [
         ("MatrixRef", size_of::<weights::MatrixRef>(), 32),
         ("MatvecParams", size_of::<matvec::MatvecParams>(), 232),
-        ("TcMatvecParams", size_of::<matvec::TcMatvecParams>(), 256),
+        ("TcMatvecParams", size_of::<matvec::TcMatvecParams>(), 328),
         ("EmbedParams", size_of::<matvec::EmbedParams>(), 64),
         ("DeltaNetParams", size_of::<deltanet::DeltaNetParams>(), 128),
         (
@@ -19,18 +19,18 @@ fn parameter_structs_match_the_kernels() {
         ),
         ("RouterParams", size_of::<moe::RouterParams>(), 128),
         ("GateUpParams", size_of::<moe::GateUpParams>(), 128),
-        ("RouteParams", size_of::<moe::RouteParams>(), 48),
-        ("TcGateUpParams", size_of::<moe::TcGateUpParams>(), 176),
-        ("DownParams", size_of::<moe::DownParams>(), 136),
+        ("RouteParams", size_of::<moe::RouteParams>(), 64),
+        ("TcGateUpParams", size_of::<moe::TcGateUpParams>(), 192),
+        ("DownParams", size_of::<moe::DownParams>(), 152),
         (
             "MoePersistentParams",
             size_of::<moe::MoePersistentParams>(),
-            408,
+            424,
         ),
         (
             "LayerParams",
             size_of::<calla_cuda::decode_layer::LayerParams>(),
-            1024,
+            1040,
         ),
         ("SelectConfig", size_of::<select::SelectConfig>(), 64),
         ("SelectResult", size_of::<select::SelectResult>(), 176),

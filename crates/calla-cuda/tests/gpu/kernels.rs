@@ -1194,9 +1194,16 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
     let (spec, w) = real_two_layers();
     let (be, _seq) = rig(spec, w, 8, KvDtype::Bf16);
     let gpu = be.gpu().clone();
+    // an attention layer's MoE: its plain out-projection also runs the fused routing below
     let layer = (0..spec.num_layers())
-        .find(|&i| forward::moe_weights(&be.model, spec, i).is_some())
-        .expect("an MoE layer");
+        .find(|&i| {
+            forward::moe_weights(&be.model, spec, i).is_some()
+                && matches!(
+                    be.model.layers[i].mixer,
+                    calla_cuda::weights::DevMixer::Attention(_)
+                )
+        })
+        .expect("an attention layer with an MoE");
     let mw = forward::moe_weights(&be.model, spec, layer).unwrap();
     let io = forward::moe_io(&be.model, spec, &be.scratch, layer);
     let (e, a, d) = (mw.experts, mw.top_k, mw.router.cols);
@@ -1221,18 +1228,58 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
     let (mut equal, mut total, mut worst_w) = (0usize, 0usize, 0f32);
     for _ in 0..16 {
         let x = rng.normal_vec(d, 1.0);
-        for mode in ["ticket", "gate/up"] {
-            if mode == "ticket" {
-                std::env::set_var("CALLA_ROUTER", "ticket");
-            }
-            let launches = calla_cuda::moe::moe(&gpu, &mw, &io).unwrap();
-            std::env::remove_var("CALLA_ROUTER");
-            gpu.htod(io.h, &x).unwrap();
+        for mode in ["ticket", "gate/up", "fused"] {
             gpu.memset_zero(io.topk_ids, 4 * a).unwrap();
-            for l in &launches[..2] {
-                l.run(&gpu).unwrap(); // router, then gate/up
-            }
-            let logits = download(&gpu, io.logits, e + 1);
+            let logits = if mode == "fused" {
+                // the attention out-projection over a random y runs the router into the
+                // accumulators; gate/up selects from them (logits = sums · 2⁻³² / rms)
+                let calla_cuda::weights::DevMixer::Attention(m) = &be.model.layers[layer].mixer
+                else {
+                    unreachable!()
+                };
+                let s = &be.scratch;
+                let k = spec.num_attention_heads * spec.head_dim;
+                let tail = calla_cuda::moe::fused_route_tail(&mw, &io, &m.o_proj, k, s.route_acc)
+                    .expect("the fused routing applies at the real shape");
+                gpu.htod(s.at_y, &rng.normal_vec(k, 1.0)).unwrap();
+                gpu.htod(io.h, &x).unwrap();
+                let words = calla_cuda::moe::route_acc_words(e);
+                gpu.memset_zero(s.route_acc, 8 * words).unwrap();
+                matvec::matvec_routed(&gpu, s.at_y, k, &(m.o_proj, s.h), &tail)
+                    .unwrap()
+                    .run(&gpu)
+                    .unwrap();
+                let launches =
+                    calla_cuda::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc).unwrap();
+                launches[0].run(&gpu).unwrap(); // gate/up only: the accumulators stay
+                let mut acc = vec![0i64; words];
+                gpu.dtoh(s.route_acc, &mut acc).unwrap();
+                let stride = words / calla_cuda::moe::ROUTE_COPIES;
+                let sum = |i: usize| {
+                    (0..calla_cuda::moe::ROUTE_COPIES)
+                        .map(|c| acc[c * stride + i])
+                        .sum::<i64>()
+                };
+                // as the kernel computes them (f32)
+                let ss = sum(e + 1) as f32 * (1.0 / 1048576.0);
+                let inv = 1.0 / (ss / d as f32 + spec.rms_norm_eps).sqrt();
+                (0..=e)
+                    .map(|i| sum(i) as f32 * (1.0 / 4294967296.0) * inv)
+                    .collect::<Vec<f32>>()
+            } else {
+                if mode == "ticket" {
+                    std::env::set_var("CALLA_ROUTER", "ticket");
+                } else {
+                    std::env::set_var("CALLA_ROUTER", "launch");
+                }
+                let launches = calla_cuda::moe::moe(&gpu, &mw, &io).unwrap();
+                std::env::remove_var("CALLA_ROUTER");
+                gpu.htod(io.h, &x).unwrap();
+                for l in &launches[..2] {
+                    l.run(&gpu).unwrap(); // router, then gate/up
+                }
+                download(&gpu, io.logits, e + 1)
+            };
             let mut ids = vec![0i32; a];
             gpu.dtoh(io.topk_ids, &mut ids).unwrap();
             let weights = download(&gpu, io.topk_w, a);
@@ -1259,7 +1306,7 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
     }
     let shape = format!("E{e} A{a} D{d}, {:?} router", mw.router.format);
     let ok = check_count(
-        "top-k with ties: ticket and gate/up",
+        "top-k with ties: ticket, gate/up and fused routing",
         &shape,
         equal,
         total,
@@ -1341,5 +1388,160 @@ fn moe_and_mlp_against_cpu() {
         1e-4,
     );
     std::env::remove_var("CALLA_ROUTER");
+    assert!(all);
+}
+
+/// The fused routing (the router run by the out-projection's blocks over the rows of h they finish,
+/// summed in fixed point, no router launch) against the router's own launch, for both out-projection
+/// kernels (the attention's plain one, the DeltaNet's with the head norm) at the real shape: the same
+/// experts, h after the MoE within tolerance, the accumulated logits (and the shared-expert gate's)
+/// against the CPU router on the new h, and the accumulators back at zero after the layer.
+#[test]
+#[ignore = "needs CUDA"]
+fn fused_routing_matches_the_router_launch() {
+    let (spec, w) = real_two_layers();
+    let (be, _seq) = rig(spec, w, 8, KvDtype::Bf16);
+    let gpu = be.gpu().clone();
+    let s = &be.scratch;
+    let d = spec.hidden_size;
+    let mut rng = Rng::new(131);
+    let mut all = true;
+    for layer in 0..spec.num_layers() {
+        let mw = forward::moe_weights(&be.model, spec, layer).expect("an MoE layer");
+        let io = forward::moe_io(&be.model, spec, s, layer);
+        let (e, a) = (mw.experts, mw.top_k);
+        let (kind, out_proj, k, y, head_norm) = match &be.model.layers[layer].mixer {
+            calla_cuda::weights::DevMixer::DeltaNet(m) => (
+                "DeltaNet out-projection (head norm)",
+                &m.out_proj,
+                spec.linear_value_dim(),
+                s.dn_y,
+                Some(matvec::HeadNorm {
+                    head_dim: spec.linear_value_head_dim,
+                    nparts: deltanet::SPLIT as usize,
+                    eps: spec.rms_norm_eps,
+                }),
+            ),
+            calla_cuda::weights::DevMixer::Attention(m) => (
+                "attention out-projection",
+                &m.o_proj,
+                spec.num_attention_heads * spec.head_dim,
+                s.at_y,
+                None,
+            ),
+        };
+        let tail = calla_cuda::moe::fused_route_tail(&mw, &io, out_proj, k, s.route_acc)
+            .expect("the fused routing applies at the real shape");
+        let out_launch = |route: Option<&calla_cuda::moe::RouteTail>| match (head_norm, route) {
+            (Some(hn), r) => {
+                matvec::matvec_head_norm(&gpu, y, k, hn, &(*out_proj, s.h), true, r).unwrap()
+            }
+            (None, Some(r)) => matvec::matvec_routed(&gpu, y, k, &(*out_proj, s.h), r).unwrap(),
+            (None, None) => matvec::matvec(&gpu, y, k, None, &[(*out_proj, s.h)], true)
+                .unwrap()
+                .remove(0),
+        };
+        let calla_model::FeedForwardWeights::Moe(cpu_moe) = &w.layers[layer].feed_forward else {
+            panic!("layer {layer} is not MoE");
+        };
+        let router = cpu_moe.router.to_f32();
+        let shared_gate = cpu_moe.shared_expert_gate.as_ref().map(|g| g.to_f32());
+        let acc_words = calla_cuda::moe::route_acc_words(e);
+        let stride = acc_words / calla_cuda::moe::ROUTE_COPIES;
+        let (mut h_got, mut h_want, mut l_got, mut l_want) = (vec![], vec![], vec![], vec![]);
+        let (mut same_ids, mut total, mut cleared) = (0usize, 0usize, true);
+        for _ in 0..8 {
+            let h0 = rng.normal_vec(d, 1.0);
+            let mut yv = rng.normal_vec(k, 1.0);
+            if let Some(hn) = head_norm {
+                // the DeltaNet's Σo² parts per head: positive, about head_dim / nparts each
+                let parts = k / hn.head_dim * hn.nparts;
+                yv.extend((0..parts).map(|_| {
+                    (hn.head_dim / hn.nparts) as f32 * (0.5 + rng.normal_vec(1, 0.2)[0].abs())
+                }));
+            }
+            gpu.htod(y, &yv).unwrap();
+            // fused: the routed out-projection, the accumulators read back, then the MoE
+            gpu.htod(s.h, &h0).unwrap();
+            out_launch(Some(&tail)).run(&gpu).unwrap();
+            let h_mid = download(&gpu, s.h, d);
+            let mut acc = vec![0i64; acc_words];
+            gpu.dtoh(s.route_acc, &mut acc).unwrap();
+            let sum = |i: usize| {
+                (0..calla_cuda::moe::ROUTE_COPIES)
+                    .map(|c| acc[c * stride + i])
+                    .sum::<i64>()
+            };
+            let ss = sum(e + 1) as f64 / (1u64 << 20) as f64;
+            let inv = 1.0 / (ss / d as f64 + spec.rms_norm_eps as f64).sqrt();
+            let xn = norm(
+                &h_mid,
+                &w.layers[layer].post_attention_layernorm,
+                spec.rms_norm_eps,
+            );
+            for r in 0..e {
+                l_got.push((sum(r) as f64 / 4294967296.0 * inv) as f32);
+                l_want.push((0..d).map(|c| router[r * d + c] * xn[c]).sum::<f32>());
+            }
+            if let Some(g) = &shared_gate {
+                l_got.push((sum(e) as f64 / 4294967296.0 * inv) as f32);
+                l_want.push((0..d).map(|c| g[c] * xn[c]).sum::<f32>());
+            }
+            for l in calla_cuda::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc).unwrap()
+            {
+                l.run(&gpu).unwrap();
+            }
+            let mut ids_fused = vec![0i32; a];
+            gpu.dtoh(io.topk_ids, &mut ids_fused).unwrap();
+            h_got.extend(download(&gpu, s.h, d));
+            gpu.dtoh(s.route_acc, &mut acc).unwrap();
+            cleared &= acc.iter().all(|&v| v == 0);
+            // the router's own launch
+            gpu.htod(s.h, &h0).unwrap();
+            out_launch(None).run(&gpu).unwrap();
+            std::env::set_var("CALLA_ROUTER", "launch");
+            let launches = calla_cuda::moe::moe(&gpu, &mw, &io).unwrap();
+            std::env::remove_var("CALLA_ROUTER");
+            for l in launches {
+                l.run(&gpu).unwrap();
+            }
+            let mut ids_ref = vec![0i32; a];
+            gpu.dtoh(io.topk_ids, &mut ids_ref).unwrap();
+            h_want.extend(download(&gpu, s.h, d));
+            total += 1;
+            same_ids += (ids_fused == ids_ref) as usize;
+        }
+        let shape = format!("E{e} A{a} D{d} K{k}, {:?} router", mw.router.format);
+        all &= check(
+            &format!("fused routing: logits vs CPU, {kind}"),
+            &shape,
+            &l_got,
+            &l_want,
+            2e-4,
+            2e-4,
+        );
+        all &= check_count(
+            &format!("fused routing: experts as the router launch's, {kind}"),
+            &shape,
+            same_ids,
+            total,
+            "",
+        );
+        all &= check(
+            &format!("fused routing: h after the MoE, {kind}"),
+            &shape,
+            &h_got,
+            &h_want,
+            2e-4,
+            2e-4,
+        );
+        all &= check_count(
+            "fused routing: accumulators cleared by down",
+            &shape,
+            cleared as usize,
+            1,
+            "",
+        );
+    }
     assert!(all);
 }
