@@ -744,38 +744,6 @@ struct RouteParams {
     int pad;
 };
 
-// ---------------------------------------------------------------- L2 prefetch of a later kernel's weights
-// Most of a decode kernel's time DRAM is idle: the kernel waits for its inputs, selects, reduces. A
-// later kernel's static weights (the next layer's in-projection) can stream into L2 meanwhile, so that
-// kernel reads them from L2. Each block asks the TMA unit for its 1/nblocks share of every range
-// (cp.async.bulk.prefetch: no registers, no load slots; 16-byte aligned, sizes multiples of 16).
-#define AHEAD_RANGES 8
-struct Ahead {
-    u64 ptr[AHEAD_RANGES];
-    u64 bytes[AHEAD_RANGES]; // 0: unused
-};
-__device__ __forceinline__ void l2_ahead(const Ahead& a, int block, int nblocks) {
-#if defined(AHEAD_LINES) // lab: per 128-byte line by every thread, evict_last, instead of the TMA
-    for (int r = 0; r < AHEAD_RANGES; ++r) {
-        const u64 n = a.bytes[r];
-        if (n == 0) continue;
-        const u64 share = ((n + nblocks - 1) / nblocks + 127) & ~127ull;
-        for (u64 at = (u64)block * share + threadIdx.x * 128ull, end = min((u64)(block + 1) * share, n); at < end;
-             at += blockDim.x * 128ull)
-            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a.ptr[r] + at));
-    }
-    return;
-#endif
-    const int r = threadIdx.x;
-    if (r >= AHEAD_RANGES || a.bytes[r] == 0) return;
-    const u64 n = a.bytes[r];
-    const u64 share = ((n + nblocks - 1) / nblocks + 15) & ~15ull;
-    for (u64 at = (u64)block * share, end = min(at + share, n); at < end; at += 1u << 20) {
-        const u32 len = (u32)min(end - at, (u64)1 << 20);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.ptr[r] + at), "r"(len) : "memory");
-    }
-}
-
 // ---------------------------------------------------------------- fused routing (the router in the out-projection)
 // The router's logits are linear in the residual h apart from the norm's scalar:
 //   logit_e = router_e·x̂ = inv · Σ_k router[e, k]·gain_k·h_k,   inv = 1/√(Σh²/D + eps)

@@ -325,14 +325,12 @@ struct __align__(16) GateUpSelect { // shared memory of the selection (sl read a
 struct TcGateUpParams {
     GateUpParams g;
     RouteParams r; // r.logits 0: the slots' experts are in g.topk_ids already
-    Ahead ahead;   // the next layer's in-projection, into L2 while this kernel routes
 };
 struct GateUpMap {
     const GateUpParams& p;
     int* expert; // shared [MOE_MAX_A + 1]: the slots' experts
     const RouteParams& r;
     GateUpSelect* sel;
-    const Ahead* ahead;
     __device__ int n_max() const { return max(p.A > p.slot_offset ? p.I : 0, p.Is); }
     __device__ int per_slot() const { return (n_max() + 7) >> 3; }
     __device__ int slots() const { return (int)gridDim.y; }
@@ -347,7 +345,6 @@ struct GateUpMap {
     template <int CW>
     __device__ void chunk_scales(int, int, float (&)[CW]) const {}
     __device__ void prologue() const {
-        l2_ahead(*ahead, blockIdx.x + blockIdx.y * gridDim.x, gridDim.x * gridDim.y);
         if (r.logits) {
             const float gate_logit = route_load_logits(r, sel->sl);
             route_select(r, sel->sl, gate_logit, sel->id, sel->w, sel->red, sel->cand,
@@ -599,7 +596,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c##CW(const TcGateUpParams p) { \
         __shared__ int expert[MOE_MAX_A + 1]; \
         __shared__ GateUpSelect sel; \
-        tc_body<CW, NB>(GateUpMap{p.g, expert, p.r, &sel, &p.ahead}); \
+        tc_body<CW, NB>(GateUpMap{p.g, expert, p.r, &sel}); \
     }
 MTC_KERNELS(1, MTC_NB_C1)
 MTC_KERNELS(2, MTC_NB_C2)
@@ -727,6 +724,6 @@ LAB_STAMPS_COPY(matvec_tc_lab_stamps)
 
 static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");
 static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
-static_assert(sizeof(TcGateUpParams) == 320, "TcGateUpParams layout differs from its Rust twin");
+static_assert(sizeof(TcGateUpParams) == 192, "TcGateUpParams layout differs from its Rust twin");
 static_assert(sizeof(TcMatvecParams) == 328, "TcMatvecParams layout differs from its Rust twin");
 static_assert(sizeof(DownParams) == 152, "DownParams layout differs from its Rust twin");

@@ -217,20 +217,8 @@ pub fn layer_launches(
         moe::fused_route_tail(w, &io, out_proj, k, s.route_acc)
     });
     let mut out = mixer_launches_routed(gpu, spec, model, layout, s, i, route.as_ref())?;
-    // the next layer's in-projection streams into L2 while this layer's gate/up routes
-    let ahead = match model.layers.get(i + 1).map(|l| &l.mixer) {
-        Some(DevMixer::DeltaNet(m)) => moe::Ahead::of(&m.in_proj),
-        Some(DevMixer::Attention(m)) => moe::Ahead::of(&m.in_proj),
-        None => moe::Ahead::default(),
-    };
     match (&weights, route) {
-        (Some(w), Some(_)) => out.extend(moe::moe_after_fused_routing(
-            gpu,
-            w,
-            &io,
-            s.route_acc,
-            ahead,
-        )?),
+        (Some(w), Some(_)) => out.extend(moe::moe_after_fused_routing(gpu, w, &io, s.route_acc)?),
         _ => out.extend(ffn_launches(gpu, spec, model, s, i)?),
     }
     Ok(out)

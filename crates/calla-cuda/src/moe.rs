@@ -107,40 +107,6 @@ pub struct RouteTail {
 pub struct TcGateUpParams {
     pub g: GateUpParams,
     pub route: RouteParams,
-    pub ahead: Ahead,
-}
-
-/// Ranges of a later kernel's static weights the gate/up kernel prefetches into L2 while it routes
-/// (common.cuh `Ahead`, `l2_ahead`): 16-byte aligned, sizes multiples of 16, `bytes` 0 unused.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Ahead {
-    pub ptr: [u64; 8],
-    pub bytes: [u64; 8],
-}
-
-impl Ahead {
-    /// The codes and parameters of `matrices` (as many as fit: 8 ranges), unless the lab switch
-    /// `CALLA_L2_AHEAD=0` turns the prefetch off.
-    pub fn of(matrices: &[DevMatrix]) -> Ahead {
-        let mut a = Ahead::default();
-        if std::env::var("CALLA_L2_AHEAD").as_deref() == Ok("0") {
-            return a;
-        }
-        let ranges = matrices.iter().flat_map(|m| {
-            let params = m.rows * m.groups_per_row() * if m.param_f32 { 8 } else { 4 };
-            [
-                (m.data.0, m.rows * m.row_bytes()),
-                (m.params.0, if m.format.is_affine() { params } else { 0 }),
-            ]
-        });
-        let usable = ranges.filter(|&(p, n)| n > 0 && p % 16 == 0 && n % 16 == 0);
-        for (i, (p, n)) in usable.take(8).enumerate() {
-            a.ptr[i] = p;
-            a.bytes[i] = n as u64;
-        }
-        a
-    }
 }
 
 #[repr(C)]
@@ -213,7 +179,6 @@ fn gate_up_launch(
     slots: (usize, usize),
     engine: DotEngine,
     route: Option<RouteParams>,
-    ahead: Ahead,
 ) -> Result<Launch> {
     let fmt = routed.map(|r| r.0).or(shared).expect("a slot").format;
     let d = routed
@@ -256,7 +221,6 @@ fn gate_up_launch(
         let tp = TcGateUpParams {
             g: p,
             route: route.unwrap_or_default(),
-            ahead,
         };
         return Launch::new(
             gpu,
@@ -302,7 +266,6 @@ fn tensor_core_gate_up(
 /// MTC_DOWN_CHUNKS).
 const TC_DOWN_CHUNKS: usize = 40;
 
-#[allow(clippy::too_many_arguments)]
 fn down_launch(
     gpu: &Gpu,
     io: &MoeIo,
@@ -437,28 +400,19 @@ pub fn router_launch(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, selects: bool) ->
 /// The sparse MoE block: router+top-k, gate/up, down+combine+residual (3 launches when the shared
 /// expert has the routed experts' format; 5 otherwise).
 pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
-    moe_on(
-        gpu,
-        w,
-        io,
-        DotEngine::default_for_run(),
-        None,
-        Ahead::default(),
-    )
+    moe_on(gpu, w, io, DotEngine::default_for_run(), None)
 }
 
 /// The MoE block after an out-projection that ran the router ([`fused_route_tail`] with the same
 /// `acc`): no router launch; gate/up selects from the accumulators and normalises h itself, and
-/// down clears the accumulators for the next layer. Gate/up also prefetches `ahead` into L2 (the
-/// next layer's in-projection) while it routes.
+/// down clears the accumulators for the next layer.
 pub fn moe_after_fused_routing(
     gpu: &Gpu,
     w: &MoeWeightsRef,
     io: &MoeIo,
     acc: DPtr,
-    ahead: Ahead,
 ) -> Result<Vec<Launch>> {
-    moe_on(gpu, w, io, DotEngine::default_for_run(), Some(acc), ahead)
+    moe_on(gpu, w, io, DotEngine::default_for_run(), Some(acc))
 }
 
 /// Where the router runs: the lab switch `CALLA_ROUTER` = `ticket` (its own launch, whose last block
@@ -536,7 +490,6 @@ fn moe_on(
     io: &MoeIo,
     engine: DotEngine,
     fused: Option<DPtr>,
-    ahead: Ahead,
 ) -> Result<Vec<Launch>> {
     let d = w.router.cols;
     let (e, a) = (w.experts, w.top_k);
@@ -592,7 +545,6 @@ fn moe_on(
                 (0, a + 1),
                 engine,
                 route,
-                ahead,
             )?);
         }
         (Some((sgu, _)), _) => {
@@ -606,7 +558,6 @@ fn moe_on(
                 (0, a),
                 engine,
                 route,
-                ahead,
             )?);
             launches.push(gate_up_launch(
                 gpu,
@@ -618,7 +569,6 @@ fn moe_on(
                 (a, a + 1),
                 engine,
                 None,
-                Ahead::default(),
             )?);
         }
         (None, _) => launches.push(gate_up_launch(
@@ -631,7 +581,6 @@ fn moe_on(
             (0, a),
             engine,
             route,
-            ahead,
         )?),
     }
     // the last down launch clears the fused routing's accumulators
@@ -703,7 +652,6 @@ pub fn dense_mlp(
             (0, 1),
             DotEngine::default_for_run(),
             None,
-            Ahead::default(),
         )?,
         down_launch(
             gpu,

@@ -1249,14 +1249,8 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
                     .unwrap()
                     .run(&gpu)
                     .unwrap();
-                let launches = calla_cuda::moe::moe_after_fused_routing(
-                    &gpu,
-                    &mw,
-                    &io,
-                    s.route_acc,
-                    calla_cuda::moe::Ahead::default(),
-                )
-                .unwrap();
+                let launches =
+                    calla_cuda::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc).unwrap();
                 launches[0].run(&gpu).unwrap(); // gate/up only: the accumulators stay
                 let mut acc = vec![0i64; words];
                 gpu.dtoh(s.route_acc, &mut acc).unwrap();
@@ -1493,21 +1487,7 @@ fn fused_routing_matches_the_router_launch() {
                 l_got.push((sum(e) as f64 / 4294967296.0 * inv) as f32);
                 l_want.push((0..d).map(|c| g[c] * xn[c]).sum::<f32>());
             }
-            // with the L2 prefetch of the other layer's in-projection, as the engine runs it
-            let ahead = match &be.model.layers[(layer + 1) % spec.num_layers()].mixer {
-                calla_cuda::weights::DevMixer::DeltaNet(m) => {
-                    calla_cuda::moe::Ahead::of(&m.in_proj)
-                }
-                calla_cuda::weights::DevMixer::Attention(m) => {
-                    calla_cuda::moe::Ahead::of(&m.in_proj)
-                }
-            };
-            assert!(
-                ahead.bytes.iter().filter(|&&n| n > 0).count() >= 6,
-                "nothing to prefetch"
-            );
-            for l in calla_cuda::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc, ahead)
-                .unwrap()
+            for l in calla_cuda::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc).unwrap()
             {
                 l.run(&gpu).unwrap();
             }
