@@ -433,14 +433,25 @@ __device__ __forceinline__ void attn_issue_tile(u16* stage, const u16* kc, const
                                                 int skip_row, int Dh) {
     const int kp = k_pitch<u16>(Dh), cpr = Dh / 8; // 16-byte chunks per row
     const u32 ks = smem_addr(stage), vs = ks + ATTN_TILE * kp * 2;
+    // K and V stream once per step and, past ~16K positions, exceed L2: their lines go first, so the
+    // partials, the activations and the next kernels' inputs stay (32K: step 2,052 → 2,026 µs,
+    // docs/performance.md, session 8). Lab: ATTN_KV_EVICT_NORMAL for plain cp.async.
+#if !defined(ATTN_KV_EVICT_NORMAL)
+    const u64 policy = l2_evict_first();
+#endif
     for (int i = threadIdx.x; i < ATTN_TILE * cpr; i += blockDim.x) {
         const int r = i / cpr, c = i - r * cpr;
         if (r == skip_row) continue;
         const bool live = r < n;
         const i64 src = (i64)(base + (live ? r : 0)) * Dh + c * 8;
         const u32 dst = (u32)(r * kp + c * 8) * 2;
+#if !defined(ATTN_KV_EVICT_NORMAL)
+        cp_async16_policy(ks + dst, kc + src, live ? 16 : 0, policy);
+        cp_async16_policy(vs + dst, vc + src, live ? 16 : 0, policy);
+#else
         cp_async16(ks + dst, kc + src, live ? 16 : 0);
         cp_async16(vs + dst, vc + src, live ? 16 : 0);
+#endif
     }
 }
 
