@@ -125,7 +125,7 @@ __device__ __forceinline__ void tc_chunk(const uint4& r0, const uint4& r8, u32 s
 // what to do with the 16 row sums of a tile (`finish`, threads tid < 16 of the block: red[w][r] is
 // warp w's share of row r). `prologue` runs in every thread once x's loads are issued (what it writes
 // to shared memory is published by the x barrier). HEAD_NORM and `chunk_scales`: a scale per chunk of
-// 128 columns on its products (the DeltaNet head norm). LAB: whether its launches write lab stamps.
+// 128 columns on its products (the DeltaNet head norm). lab(): whether its launches write lab stamps.
 
 // The fused routing's producer side (common.cuh, "fused routing"): an out-projection y = h += W·x
 // whose blocks, once a tile's 16 rows of h are final, add those columns' share of every router row,
@@ -237,6 +237,8 @@ struct TcMatvecParams {
 // (the step's last matvec_tc launch is otherwise the lm_head).
 #if defined(MTC_LAB_GATE_UP_ONLY)
 #define MTC_LAB_MATVEC 0
+#elif defined(MTC_LAB_DN_INPROJ_ONLY) // the DeltaNet in-projections (q|k|v, z, b, a: ≥ 4 segments)
+#define MTC_LAB_MATVEC (p.nseg >= 4)
 #else
 #define MTC_LAB_MATVEC 1
 #endif
@@ -245,7 +247,7 @@ struct MatvecMapT {
     static constexpr bool HEAD_NORM = HN;
     typedef typename PickType<ROUTE, RouteRegs, NoTail>::type Tail;
     static constexpr bool STATIC_ROWS = true; // row() depends on the parameters only
-    static constexpr int LAB = MTC_LAB_MATVEC;
+    __device__ int lab() const { return MTC_LAB_MATVEC; }
     const MatvecParams& p;
     const TcMatvecParams& tp;
     __device__ int tiles() const { return (p.total_rows + 15) >> 4; }
@@ -341,7 +343,11 @@ struct GateUpMap {
     __device__ int K() const { return p.D; }
     static constexpr bool HEAD_NORM = false;
     static constexpr bool STATIC_ROWS = false; // the routed slots' rows follow the selection
-    static constexpr int LAB = 1;
+#if defined(MTC_LAB_DN_INPROJ_ONLY)
+    __device__ int lab() const { return 0; }
+#else
+    __device__ int lab() const { return 1; }
+#endif
     template <int CW>
     __device__ void chunk_scales(int, int, float (&)[CW]) const {}
     __device__ void prologue() const {
@@ -404,7 +410,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     // the grid may be 2-D (gate/up: (blocks, slots)); the tiles are spread over all its blocks
     const int block = blockIdx.x + blockIdx.y * gridDim.x, nblocks = gridDim.x * gridDim.y;
     const u64 px = map.x(), pgain = map.norm_gain();
-    LAB_ON(Map::LAB);
+    LAB_ON(map.lab());
     LAB_STAMP(0);
     griddep_enter(); // programmatic dependent launch (CALLA_PDL=1); no-ops otherwise
 

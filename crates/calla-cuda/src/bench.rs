@@ -670,7 +670,7 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
         ("moe_lab_stamps", "moe down (last layer)", rows),
         (
             "matvec_tc_lab_stamps",
-            "tensor-core products (the last launch; MTC_LAB_GATE_UP_ONLY: the last MoE gate/up)",
+            "tensor-core products (the last launch; MTC_LAB_GATE_UP_ONLY: the last MoE gate/up; MTC_LAB_DN_INPROJ_ONLY: the last DeltaNet in-projection)",
             tc,
         ),
         (

@@ -76,8 +76,9 @@ pub struct RouteParams {
     pub pad: i32,
 }
 
-/// Accumulator copies of the fused routing (common.cuh ROUTE_COPIES).
-pub const ROUTE_COPIES: usize = 4;
+/// Accumulator copies the fused routing's buffer holds (common.cuh ROUTE_COPIES: 4, or up to 8 in
+/// the lab; copies the kernels do not use stay zero).
+pub const ROUTE_COPIES: usize = 8;
 
 /// i64 words of the fused routing's accumulators for `e` experts (common.cuh route_acc_stride):
 /// per copy, E logits, the shared-expert gate, Σh².
