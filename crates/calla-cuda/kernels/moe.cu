@@ -1,4 +1,7 @@
 // moe.cu: the sparse MoE block for one decode token, in three launches, routing on the device.
+// (Where the formats allow, the engine runs the router inside the out-projection instead: the
+// fused routing, common.cuh and matvec_tc.cu; these kernels then serve the other formats, the
+// dense MLP, the persistent layer and as the reference.)
 //
 // Math (CPU reference: calla_cpu::moe; HF Qwen3_5MoeSparseMoeBlock):
 //   x̂ = rmsnorm₀(h)·(1 + post_attention_layernorm)

@@ -5,6 +5,9 @@
 //!               attention: matvec[q+gate|k|v](rmsnorm(h)) → attn_decode (norm + RoPE + cache append,
 //!                          split-KV on tensor cores, merge + gate: one launch) → h += o_proj·y
 //!               MoE: router+top-k(rmsnorm(h)) → gate/up (routed + shared) → h += down+combine
+//!               Where the formats allow (q4 out-projection on the tensor cores, q8/q4 router), the
+//!               router runs inside the out-projection (fused routing: moe::fused_route_tail) and
+//!               gate/up takes the top-k from its sums: 5 launches per layer instead of 6.
 //!   With CudaOptions::fused_layers (CALLA_DECODE=layer; off by default: measured slower) and q4
 //!   weights, a layer is instead one persistent launch from the in-projection (DeltaNet) or the
 //!   out-projection (attention) on, with grid barriers between the phases: decode_layer.rs.
