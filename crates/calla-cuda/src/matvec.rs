@@ -217,9 +217,8 @@ pub fn matvec_routed(
     segment: &(DevMatrix, DPtr),
     route: &crate::moe::RouteTail,
 ) -> Result<Launch> {
-    let chunks = tensor_core_chunks(k, &[segment]);
     ensure!(
-        chunks.is_some(),
+        tensor_core_chunks(k, &[segment]).is_some(),
         "fused routing: the tensor-core matvec does not take K {k}, {:?}",
         segment.0.format
     );
