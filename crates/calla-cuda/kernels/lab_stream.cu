@@ -150,3 +150,45 @@ extern "C" __global__ void __launch_bounds__(256) stream_chain_persistent(const 
     if (acc == 0x9e3779b9u) *(u32*)p.out = acc;
 }
 static_assert(sizeof(PersistentChainParams) == 56, "PersistentChainParams layout differs from its Rust twin");
+// stream_red_link: a link of the synthetic chain (stream_chain_link's mode 1: x read and summed,
+// then the bytes) that ends with every block adding `nred` values into an accumulator, as a fused
+// MoE kernel (gate/up and a split-K down in one launch) would add its down partials into h: what
+// those reductions cost at the step's grids (tests/gpu/stream_floor.rs moe_link_with_reductions).
+//   mode 0  no reductions;  1  red.add.u64 (fixed point);  2  red.add.f32;  3  red.add.v4.f32
+//   (nred/4 of them). Block b adds into copy b % copies of acc ([copies][nred] words).
+struct RedLinkParams {
+    u64 src;
+    u64 bytes; // multiple of 16
+    u64 x_in;  // f32 [xn]
+    u64 x_out; // f32 [xn]
+    u64 acc;   // [copies][nred] i64 or f32
+    u64 out;   // u32, written only on a (never expected) magic value
+    int xn, nred, mode, copies;
+};
+
+extern "C" __global__ void __launch_bounds__(256) stream_red_link(const RedLinkParams p) {
+    __shared__ float red[32];
+    const float ss = block_sum(chain_input_sumsq((const float*)p.x_in, p.xn), red);
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    const u32 acc = stream_fold<4>((const uint4*)p.src, (i64)(p.bytes / 16), (i64)blockIdx.x * blockDim.x + threadIdx.x, stride);
+    if (acc == 0x9e3779b9u) *(u32*)p.out = acc;
+    const int copy = blockIdx.x % p.copies;
+    const float v = 1e-3f * (float)(threadIdx.x & 7) + 1e-30f * ss;
+    if (p.mode == 1) {
+        i64* a = (i64*)p.acc + (i64)copy * p.nred;
+        for (int i = threadIdx.x; i < p.nred; i += blockDim.x)
+            atomicAdd((unsigned long long*)(a + i), (unsigned long long)__float2ll_rn(v * 4294967296.0f));
+    } else if (p.mode == 2) {
+        float* a = (float*)p.acc + (i64)copy * p.nred;
+        for (int i = threadIdx.x; i < p.nred; i += blockDim.x) atomicAdd(a + i, v);
+    } else if (p.mode == 3) {
+        float* a = (float*)p.acc + (i64)copy * p.nred;
+        for (int i = 4 * threadIdx.x; i < p.nred; i += 4 * blockDim.x)
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(a + i), "f"(v), "f"(v), "f"(v), "f"(v)
+                         : "memory");
+    }
+    float* x_out = (float*)p.x_out;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.xn; i += gridDim.x * blockDim.x)
+        x_out[i] = 0.5f + 1e-30f * ss;
+}
+static_assert(sizeof(RedLinkParams) == 64, "RedLinkParams layout differs from its Rust twin");

@@ -164,3 +164,62 @@ pub fn chain_persistent(
         &p,
     )
 }
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RedLinkParams {
+    pub src: u64,
+    pub bytes: u64,
+    pub x_in: u64,
+    pub x_out: u64,
+    pub acc: u64,
+    pub out: u64,
+    pub xn: i32,
+    pub nred: i32,
+    pub mode: i32,
+    pub copies: i32,
+}
+
+/// How a [`red_link`] adds its values (lab_stream.cu stream_red_link).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RedMode {
+    None = 0,
+    FixedI64 = 1,
+    F32 = 2,
+    F32x4 = 3,
+}
+
+/// A chain link (x read and summed, then `bytes` streamed) whose every block then adds `nred`
+/// values into copy `block % copies` of `acc` ([copies][nred] 8-byte or 4-byte words).
+#[allow(clippy::too_many_arguments)]
+pub fn red_link(
+    gpu: &Gpu,
+    src: DPtr,
+    bytes: usize,
+    x_in: DPtr,
+    x_out: DPtr,
+    acc: DPtr,
+    nred: usize,
+    copies: usize,
+    mode: RedMode,
+    out: DPtr,
+    grid: u32,
+) -> Result<Launch> {
+    ensure!(
+        bytes.is_multiple_of(16) && nred.is_multiple_of(4) && copies >= 1,
+        "red_link: {bytes} bytes, {nred} values, {copies} copies"
+    );
+    let p = RedLinkParams {
+        src: src.0,
+        bytes: bytes as u64,
+        x_in: x_in.0,
+        x_out: x_out.0,
+        acc: acc.0,
+        out: out.0,
+        xn: 2048,
+        nred: nred as i32,
+        mode: mode as i32,
+        copies: copies as i32,
+    };
+    Launch::new(gpu, "stream_red_link", (grid.max(1), 1, 1), THREADS, 0, &p)
+}

@@ -38,6 +38,7 @@ fn parameter_structs_match_the_kernels() {
         ("PenaltyParams", size_of::<select::PenaltyParams>(), 48),
         ("FillParams", size_of::<synthetic::FillParams>(), 40),
         ("StreamParams", size_of::<lab_stream::StreamParams>(), 24),
+        ("RedLinkParams", size_of::<lab_stream::RedLinkParams>(), 64),
         (
             "GridSyncCheckParams",
             size_of::<grid_sync::GridSyncCheckParams>(),

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use calla_cuda::bench::lab_stamp_intervals;
 use calla_cuda::gpu::{DPtr, Gpu, Launch};
 use calla_cuda::graph::StepGraph;
-use calla_cuda::lab_stream::{chain_link, chain_persistent, stream_read, ChainMode};
+use calla_cuda::lab_stream::{
+    chain_link, chain_persistent, red_link, stream_read, ChainMode, RedMode,
+};
 use calla_cuda::matvec::{matvec_on, DotEngine};
 use calla_cuda::pool::Arena;
 use calla_cuda::synthetic::Filler;
@@ -469,5 +471,85 @@ fn decode_chain_against_its_floor() {
             &launches,
             bytes,
         );
+    }
+}
+
+/// Lab (prints INFO rows, asserts nothing about speed): what a fused MoE link would pay for adding
+/// its split-K down partials into h with atomics. 40 layers' MoE as one link each (16 MB streamed,
+/// then every block adds 2,048 values), against today's two links (gate/up 10.6 MB on 261 blocks,
+/// down 5.3 MB on 128), by grid, reduction type and accumulator copies (lab_stream.cu
+/// stream_red_link; docs/performance.md, "Session 9").
+#[test]
+#[ignore = "needs CUDA"]
+fn moe_link_with_reductions() {
+    let gpu = gpu();
+    let q4 = |rows: usize, cols: usize| (rows * cols * 9 / 16).div_ceil(16) * 16;
+    let (gate_up, down) = (q4(9 * 1024, 2048), q4(2048, 9 * 512));
+    let layers = 40;
+    let mut arena = Arena::new(&gpu, layers * (gate_up + down) + (4 << 20));
+    let weights = arena.alloc(layers * (gate_up + down)).unwrap();
+    calla_cuda::synthetic::fill_f32(&gpu, weights, layers * (gate_up + down) / 4, -1.0, 1.0, 21)
+        .unwrap();
+    let xs = [arena.alloc(2048 * 4).unwrap(), arena.alloc(2048 * 4).unwrap()];
+    for (i, x) in xs.iter().enumerate() {
+        calla_cuda::synthetic::fill_f32(&gpu, *x, 2048, -1.0, 1.0, 22 + i as u64).unwrap();
+    }
+    let acc = arena.alloc_zeroed(8 * 2048 * 8).unwrap();
+    let sink = arena.alloc_zeroed(4).unwrap();
+    gpu.sync().unwrap();
+    let per_layer = |what: &str, launches: &[Launch]| {
+        let us = graph_us(&gpu, launches) * launches.len() as f64 / layers as f64;
+        println!("| MoE per layer: {what:<58} | {us:>7.2} µs | | INFO |");
+    };
+    let two: Vec<Launch> = (0..layers)
+        .flat_map(|l| {
+            let base = weights.offset(l * (gate_up + down));
+            [
+                chain_link(&gpu, base, gate_up, xs[0], xs[1], 2048, sink, 261, ChainMode::InputFirst)
+                    .unwrap(),
+                chain_link(
+                    &gpu,
+                    base.offset(gate_up),
+                    down,
+                    xs[1],
+                    xs[0],
+                    2048,
+                    sink,
+                    128,
+                    ChainMode::InputFirst,
+                )
+                .unwrap(),
+            ]
+        })
+        .collect();
+    per_layer("two links (gate/up on 261, down on 128), today's floor", &two);
+    for grid in [72u32, 144, 264, 288] {
+        for (mode, copies, name) in [
+            (RedMode::None, 1, "no reductions"),
+            (RedMode::FixedI64, 1, "2,048 red.add.u64 per block"),
+            (RedMode::FixedI64, 4, "2,048 red.add.u64 per block, 4 copies"),
+            (RedMode::F32, 1, "2,048 red.add.f32 per block"),
+            (RedMode::F32x4, 1, "512 red.add.v4.f32 per block"),
+        ] {
+            let launches: Vec<Launch> = (0..layers)
+                .map(|l| {
+                    red_link(
+                        &gpu,
+                        weights.offset(l * (gate_up + down)),
+                        gate_up + down,
+                        xs[l % 2],
+                        xs[(l + 1) % 2],
+                        acc,
+                        2048,
+                        copies,
+                        mode,
+                        sink,
+                        grid,
+                    )
+                    .unwrap()
+                })
+                .collect();
+            per_layer(&format!("one link on {grid}: {name}"), &launches);
+        }
     }
 }
