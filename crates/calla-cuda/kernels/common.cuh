@@ -775,10 +775,10 @@ __device__ __forceinline__ i64 route_acc_sum(const i64* acc, int stride, int i) 
     }
     return s;
 }
-// The accumulators back to zero once their layer's gate/up has read them (the MoE down kernel's or
-// the fused MoE's `last` block; the next writer is the next layer's out-projection).
-__device__ __forceinline__ void route_acc_clear(const DownParams& p, bool last) {
-    if (p.route_acc && last)
+// The accumulators back to zero once their layer's gate/up has read them (the MoE down kernel, one
+// block; the next writer is the next layer's out-projection).
+__device__ __forceinline__ void route_acc_clear(const DownParams& p) {
+    if (p.route_acc && blockIdx.x == gridDim.x - 1)
         for (int i = threadIdx.x; i < p.route_acc_len; i += blockDim.x) ((i64*)p.route_acc)[i] = 0;
 }
 

@@ -323,7 +323,6 @@ struct __align__(16) GateUpSelect { // shared memory of the selection (sl read a
     int id[MOE_MAX_A];
     float w[MOE_MAX_A];
     float red[32];
-    float shared_w; // sigmoid(the shared-expert gate's logit), 1 without a gate (the fused MoE's down)
 };
 struct TcGateUpParams {
     GateUpParams g;
@@ -356,7 +355,6 @@ struct GateUpMap {
             const float gate_logit = route_load_logits(r, sel->sl);
             route_select(r, sel->sl, gate_logit, sel->id, sel->w, sel->red, sel->cand,
                          blockIdx.x == 0 && blockIdx.y == 0);
-            if (threadIdx.x == 0) sel->shared_w = r.shared_gate ? sigmoid_f(gate_logit) : 1.0f;
         }
         for (int s = threadIdx.x; s < slots(); s += blockDim.x) {
             const int slot = s + p.slot_offset;
@@ -615,90 +613,80 @@ MTC_KERNELS(4, MTC_NB_C4)
 // The slots' rows are one virtual row of Σ I columns (chunk q of it: slot s's chunk kc), and the
 // combine weight goes into B (B = w_s·act_s), so the mma sums the slots too. A block takes one tile of
 // 16 output rows; warp w takes chunks w, w + 8, …; grid ⌈D/16⌉ × 256 threads, dynamic smem
-// 4·Σ I + Σ I/16 bytes. In three parts, shared by matvec_tc_down_q4 and the fused MoE kernel below
-// (which issues a tile's weights before its grid barrier and reads the activations after it):
-// tc_down_issue (the tile's codes and parameters into registers), tc_down_act (the weighted
-// activations from L2), tc_down_finish (B staged, the products, h written).
+// 4·Σ I + Σ I/16 bytes.
 
-// The slots of a down launch, in shared memory: their experts and combine weights, and the chunk
-// bookkeeping.
-struct DownSlots {
-    int* expert; // shared [MOE_MAX_A + 1]
-    float* weight;
-    int n_routed, cr, chunks;
+template <int CWMAX>
+__device__ __forceinline__ void tc_down_body(const DownParams& p) {
+    extern __shared__ float4 smem4[];
+    __shared__ int slot_expert[MOE_MAX_A + 1];
+    __shared__ float slot_weight[MOE_MAX_A + 1];
+    __shared__ float red[MTC_WARPS][16];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    const int nslots = p.slot_end - p.slot_begin;
+    const int n_routed = max(0, min(p.slot_end, p.A) - p.slot_begin);
+    griddep_enter();
+    route_acc_clear(p);
+    const int cr = p.I / 128, cs = p.Is / 128; // chunks of a routed and of the shared slot
+    const int chunks = n_routed * cr + (p.slot_end > p.A ? cs : 0);
+    uint4* bfrag = (uint4*)smem4;                     // [chunks][4 words][4 lanes c][hi, lo]
+    float* gsum = (float*)(bfrag + chunks * 32);       // [2·chunks]
     // chunk q: its slot (index from slot_begin) and its chunk inside the slot's row
-    __device__ void slot_of(int q, int& s, int& kc) const {
+    auto slot_of = [&](int q, int& s, int& kc) {
         s = q < n_routed * cr ? q / cr : n_routed;
         kc = q - s * cr;
+    };
+    for (int s = tid; s < nslots; s += blockDim.x) {
+        const int slot = p.slot_begin + s;
+        slot_expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
+        slot_weight[s] = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
     }
-};
-__device__ __forceinline__ DownSlots down_slots(const DownParams& p, int* expert, float* weight) {
-    DownSlots d;
-    d.expert = expert;
-    d.weight = weight;
-    d.n_routed = max(0, min(p.slot_end, p.A) - p.slot_begin);
-    d.cr = p.I / 128;
-    d.chunks = d.n_routed * d.cr + (p.slot_end > p.A ? p.Is / 128 : 0);
-    return d;
-}
+    __syncthreads();
+    // the residual this block adds to, requested now rather than after the reduction
+    const int t = blockIdx.x;
+    const float h_old = MTC_EARLY_OLD && tid < 16 && 16 * t + tid < p.D ? ldcg_f32((const float*)p.h + 16 * t + tid) : 0.0f;
 
-// Tile t's codes (rows 16t + g, + 8) and (scale, bias) of the warp's chunks warp, warp + 8, ….
-template <int CWMAX>
-__device__ __forceinline__ void tc_down_issue(const DownParams& p, const DownSlots& ds, int t, uint4 (&cd)[CWMAX][2],
-                                              uint2 (&pr)[CWMAX][2]) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-#pragma unroll
-    for (int i = 0; i < CWMAX; ++i) {
-        const int q = warp + MTC_WARPS * i;
-        if (q >= ds.chunks) break;
-        int s, kc;
-        ds.slot_of(q, s, kc);
-        const bool routed = s < ds.n_routed;
-        const MatrixRef& m = routed ? p.experts : p.shared;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = min(16 * t + g + 8 * h, p.D - 1);
-            const i64 row = (routed ? (i64)ds.expert[s] * p.D : 0) + r;
-            cd[i][h] = ldg16_in_order((const u8*)m.data + row * m.row_bytes + kc * 64 + c * 16);
-            pr[i][h] = ldg8_in_order((const u8*)m.params + (row * m.groups_per_row + 2 * kc) * 4);
-        }
-    }
-}
-
-// The slots' activations (from L2), times their combine weights: thread tid's words tid, tid + 256, ….
-template <int WPT>
-__device__ __forceinline__ void tc_down_act(const DownParams& p, const DownSlots& ds, float (&xv)[WPT][8]) {
-    const int words = ds.chunks * 16;
+    // the slots' activations (from L2), weighted, before any weight load is issued
+    constexpr int WPT = (CWMAX * 8 * 16 + MTC_THREADS - 1) / MTC_THREADS;
+    const int words = chunks * 16;
+    float xv[WPT][8];
 #pragma unroll
     for (int m = 0; m < WPT; ++m) {
-        const int wi = threadIdx.x + MTC_THREADS * m;
+        const int wi = tid + MTC_THREADS * m;
         float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
         float wgt = 0.0f;
         if (wi < words) {
             int s, kc;
-            ds.slot_of(wi >> 4, s, kc);
+            slot_of(wi >> 4, s, kc);
             const float4* src = (const float4*)((const float*)p.act + (i64)(p.slot_begin + s) * p.act_stride +
                                                 kc * 128 + (wi & 15) * 8);
             a = ldcg_f4(src);
             b = ldcg_f4(src + 1);
-            wgt = ds.weight[s];
+            wgt = slot_weight[s];
         }
         const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
         for (int i = 0; i < 8; ++i) xv[m][i] = v[i] * wgt;
     }
-}
+    __syncthreads(); // every warp's activations are in: the weight loads go after them
 
-// B staged from xv, the products of tile t, h[16t + tid] = h_old + Σ (threads < 16).
-template <int CWMAX, int WPT>
-__device__ __forceinline__ void tc_down_finish(const DownParams& p, const DownSlots& ds, int t, const uint4 (&cd)[CWMAX][2],
-                                               const uint2 (&pr)[CWMAX][2], const float (&xv)[WPT][8], float h_old,
-                                               float (*red)[16]) {
-    extern __shared__ float4 smem4[];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-    uint4* bfrag = (uint4*)smem4;                    // [chunks][4 words][4 lanes c][hi, lo]
-    float* gsum = (float*)(bfrag + ds.chunks * 32); // [2·chunks]
-    const int words = ds.chunks * 16;
+    uint4 cd[CWMAX][2];
+    uint2 pr[CWMAX][2];
+#pragma unroll
+    for (int i = 0; i < CWMAX; ++i) {
+        const int q = warp + MTC_WARPS * i;
+        if (q >= chunks) break;
+        int s, kc;
+        slot_of(q, s, kc);
+        const bool routed = s < n_routed;
+        const MatrixRef& m = routed ? p.experts : p.shared;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = min(16 * t + g + 8 * h, p.D - 1);
+            const i64 row = (routed ? (i64)slot_expert[s] * p.D : 0) + r;
+            cd[i][h] = ldg16_in_order((const u8*)m.data + row * m.row_bytes + kc * 64 + c * 16);
+            pr[i][h] = ldg8_in_order((const u8*)m.params + (row * m.groups_per_row + 2 * kc) * 4);
+        }
+    }
 #pragma unroll
     for (int m = 0; m < WPT; ++m) {
         const int wi = tid + MTC_THREADS * m;
@@ -711,7 +699,7 @@ __device__ __forceinline__ void tc_down_finish(const DownParams& p, const DownSl
 #pragma unroll
     for (int i = 0; i < CWMAX; ++i) {
         const int q = warp + MTC_WARPS * i;
-        if (q >= ds.chunks) break;
+        if (q >= chunks) break;
         const bool odd = c & 1;
         tc_chunk(cd[i][0], cd[i][1], odd ? pr[i][0].y : pr[i][0].x, odd ? pr[i][1].y : pr[i][1].x, bfrag, gsum, q,
                  b_live, g, c, acc0, acc1);
@@ -732,120 +720,11 @@ __device__ __forceinline__ void tc_down_finish(const DownParams& p, const DownSl
     }
 }
 
-// Words of 8 activations per thread for CWMAX chunks of 128 per warp.
-#define MTC_DOWN_WPT(CWMAX) ((CWMAX * 8 * 16 + MTC_THREADS - 1) / MTC_THREADS)
-
-template <int CWMAX>
-__device__ __forceinline__ void tc_down_body(const DownParams& p) {
-    __shared__ int slot_expert[MOE_MAX_A + 1];
-    __shared__ float slot_weight[MOE_MAX_A + 1];
-    __shared__ float red[MTC_WARPS][16];
-    const int tid = threadIdx.x;
-    const int nslots = p.slot_end - p.slot_begin;
-    griddep_enter();
-    route_acc_clear(p, blockIdx.x == gridDim.x - 1);
-    const DownSlots ds = down_slots(p, slot_expert, slot_weight);
-    for (int s = tid; s < nslots; s += blockDim.x) {
-        const int slot = p.slot_begin + s;
-        slot_expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
-        slot_weight[s] = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
-    }
-    __syncthreads();
-    // the residual this block adds to, requested now rather than after the reduction
-    const int t = blockIdx.x;
-    const float h_old = MTC_EARLY_OLD && tid < 16 && 16 * t + tid < p.D ? ldcg_f32((const float*)p.h + 16 * t + tid) : 0.0f;
-
-    // the slots' activations (from L2), weighted, before any weight load is issued
-    float xv[MTC_DOWN_WPT(CWMAX)][8];
-    tc_down_act(p, ds, xv);
-    __syncthreads(); // every warp's activations are in: the weight loads go after them
-
-    uint4 cd[CWMAX][2];
-    uint2 pr[CWMAX][2];
-    tc_down_issue(p, ds, t, cd, pr);
-    tc_down_finish(p, ds, t, cd, pr, xv, h_old, red);
-}
-
 // Up to 8·5 = 40 chunks of 128 columns: 9 slots of I = 512 (the real model: 36).
 #define MTC_DOWN_CHUNKS 5
 extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_down_q4(const DownParams p) {
     tc_down_body<MTC_DOWN_CHUNKS>(p);
 }
-
-// The fused MoE (gate/up, a grid barrier, down, in one launch; moe.rs `fused_moe`): the gate/up
-// kernel above, with every block selecting the experts itself (route.logits set), then the down
-// kernel's tiles on the same grid. Each block already knows the experts, so it requests its down
-// tile's weights before the barrier (their DRAM round trip overlaps the wait for the slowest gate/up
-// block) and reads the activations after it. What this saves against two launches: the launch
-// between them, down's prologue (its slots from L2, its weights requested only after the
-// activations). The barrier needs every block resident at once (the launcher sizes the grid so); it
-// is a monotonic u64 counter (common.cuh GridSync), passed at (k + 1)·nblocks by launch k.
-// Arithmetic: the same as the two kernels', in the same order (bit-identical h).
-struct TcMoeParams {
-    TcGateUpParams gu;
-    DownParams dn;
-    u64 sync; // u64 arrivals, zeroed once
-    u64 pad;
-};
-
-template <int CW, int NB>
-__device__ __forceinline__ void tc_moe_body(const TcMoeParams& p) {
-    __shared__ int expert[MOE_MAX_A + 1];
-    __shared__ float slot_weight[MOE_MAX_A + 1];
-    __shared__ GateUpSelect sel;
-    __shared__ float red[MTC_WARPS][16];
-    const DownParams& dn = p.dn;
-    tc_body<CW, NB>(GateUpMap{p.gu.g, expert, p.gu.r, &sel});
-
-    // The down slots from this block's own selection (slot s of the down launch is gate/up's slot
-    // dn.slot_begin + s; gate/up's slots start at 0 here).
-    const int tid = threadIdx.x, nslots = dn.slot_end - dn.slot_begin;
-    const int block = blockIdx.x + blockIdx.y * gridDim.x, nblocks = gridDim.x * gridDim.y;
-    for (int s = tid; s < nslots; s += blockDim.x) {
-        const int slot = dn.slot_begin + s;
-        expert[s] = slot < dn.A ? sel.id[slot] : 0;
-        slot_weight[s] = slot < dn.A ? sel.w[slot] : sel.shared_w;
-    }
-    __syncthreads();
-    const DownSlots ds = down_slots(dn, expert, slot_weight);
-    const int t = block, tiles = (dn.D + 15) >> 4;
-    uint4 cd[MTC_DOWN_CHUNKS][2];
-    uint2 pr[MTC_DOWN_CHUNKS][2];
-#ifndef MOE_DOWN_EARLY
-#define MOE_DOWN_EARLY 1 // lab 0: the down tile's weights requested after the barrier
-#endif
-    if (MOE_DOWN_EARLY && t < tiles) tc_down_issue(dn, ds, t, cd, pr);
-
-    // the grid barrier: every block's act stores (and its reads of h and of the routing sums) done.
-    // Lab MOE_FENCE_ALL=0: no fence per thread, thread 0's acq_rel arrival publishing the block's
-    // writes (ordered before it by the barrier), as common.cuh grid_barrier does.
-#ifndef MOE_FENCE_ALL
-#define MOE_FENCE_ALL 1
-#endif
-    if (MOE_FENCE_ALL) __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        u64 old;
-        asm volatile("atom.add.acq_rel.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(p.sync) : "memory");
-        wait_until_at_least(p.sync, (old / nblocks + 1) * nblocks);
-    }
-    __syncthreads();
-    route_acc_clear(dn, block == nblocks - 1);
-    if (t >= tiles) return;
-    const float h_old = MTC_EARLY_OLD && tid < 16 && 16 * t + tid < dn.D ? ldcg_f32((const float*)dn.h + 16 * t + tid) : 0.0f;
-    float xv[MTC_DOWN_WPT(MTC_DOWN_CHUNKS)][8];
-    tc_down_act(dn, ds, xv);
-    if (!MOE_DOWN_EARLY) tc_down_issue(dn, ds, t, cd, pr);
-    tc_down_finish(dn, ds, t, cd, pr, xv, h_old, red);
-}
-
-#define MTC_MOE_KERNEL(CW, NB) \
-    extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_moe_q4_c##CW(const TcMoeParams p) { \
-        tc_moe_body<CW, NB>(p); \
-    }
-MTC_MOE_KERNEL(1, MTC_NB_C1)
-MTC_MOE_KERNEL(2, MTC_NB_C2)
-MTC_MOE_KERNEL(4, MTC_NB_C4)
 
 LAB_STAMPS_COPY(matvec_tc_lab_stamps)
 
@@ -854,4 +733,3 @@ static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its
 static_assert(sizeof(TcGateUpParams) == 192, "TcGateUpParams layout differs from its Rust twin");
 static_assert(sizeof(TcMatvecParams) == 328, "TcMatvecParams layout differs from its Rust twin");
 static_assert(sizeof(DownParams) == 152, "DownParams layout differs from its Rust twin");
-static_assert(sizeof(TcMoeParams) == 360, "TcMoeParams layout differs from its Rust twin");

@@ -277,7 +277,7 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
     LAB_ON(1);
     LAB_STAMP(0);
     griddep_enter();
-    route_acc_clear(p, blockIdx.x == gridDim.x - 1);
+    route_acc_clear(p);
     const int nslots = p.slot_end - p.slot_begin, pitch = xpad_len(p.act_stride);
     float* usum = acts + nslots * pitch;
     for (int s = threadIdx.x; s < nslots; s += blockDim.x) {

@@ -105,8 +105,6 @@ pub struct Scratch {
     pub router_counter: DPtr,
     /// the fused routing's accumulators (i64 [moe::route_acc_words], zero between layers)
     pub route_acc: DPtr,
-    /// the fused MoE's grid barrier (a zeroed u64 arrival counter, moe::fused_moe_launch)
-    pub moe_sync: DPtr,
     /// the persistent decode layer's grid barrier (two zeroed u64 words)
     pub layer_sync: crate::grid_sync::GridSync,
     pub act: DPtr,
@@ -175,7 +173,6 @@ impl Scratch {
             topk_w: f32s(a)?,
             shared_w: f32s(1)?,
             router_counter: f32s(1)?,
-            moe_sync: f32s(2)?,
             route_acc: f32s(2 * crate::moe::route_acc_words(e))?,
             layer_sync,
             act: f32s((a + 1) * act_stride)?,
@@ -421,7 +418,6 @@ pub fn moe_io(model: &DevModel, spec: &ModelSpec, s: &Scratch, i: usize) -> MoeI
         act: s.act,
         act_stride: s.act_stride,
         one: s.one,
-        moe_sync: s.moe_sync,
     }
 }
 

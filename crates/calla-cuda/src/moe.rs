@@ -134,16 +134,6 @@ pub struct DownParams {
     pub pad: i32,
 }
 
-/// The fused MoE's parameters (matvec_tc.cu TcMoeParams): gate/up, then down after a grid barrier.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct TcMoeParams {
-    pub gu: TcGateUpParams,
-    pub dn: DownParams,
-    pub sync: u64,
-    pub pad: u64,
-}
-
 /// Device buffers of one MoE (or dense MLP) step.
 pub struct MoeIo {
     /// residual stream [D] (read, then += the block's output)
@@ -163,8 +153,6 @@ pub struct MoeIo {
     pub act_stride: usize,
     /// a device 1.0 (the dense MLP's slot weight)
     pub one: DPtr,
-    /// the fused MoE's grid barrier: a u64 arrival counter, zeroed once (or DPtr(0): no fused MoE)
-    pub moe_sync: DPtr,
 }
 
 /// Routed experts: router [E, D], gate/up [E·2I, D], down [E·D, I].
@@ -181,15 +169,19 @@ pub struct MoeWeightsRef<'a> {
     pub shared_gate: Option<DPtr>,
 }
 
-/// The gate/up launch's parameters (common.cuh GateUpParams).
-fn gate_up_params(
+#[allow(clippy::too_many_arguments)]
+fn gate_up_launch(
+    gpu: &Gpu,
     io: &MoeIo,
     x: DPtr,
     norm: bool,
     routed: Option<(&DevMatrix, usize, usize)>,
     shared: Option<&DevMatrix>,
     slots: (usize, usize),
-) -> Result<GateUpParams> {
+    engine: DotEngine,
+    route: Option<RouteParams>,
+) -> Result<Launch> {
+    let fmt = routed.map(|r| r.0).or(shared).expect("a slot").format;
     let d = routed
         .map(|r| r.0.cols)
         .or(shared.map(|s| s.cols))
@@ -197,7 +189,7 @@ fn gate_up_params(
     crate::matvec::check_staged_input(d, norm)?;
     let (i, a) = routed.map(|r| (r.1, r.2)).unwrap_or((0, 0));
     let is = shared.map(|s| s.rows / 2).unwrap_or(0);
-    Ok(GateUpParams {
+    let p = GateUpParams {
         x: x.0,
         norm_gain: if norm { io.norm_gain.0 } else { 0 },
         experts: routed.map(|r| r.0.kref()).unwrap_or_default(),
@@ -216,45 +208,29 @@ fn gate_up_params(
         act_stride: io.act_stride as i32,
         slot_offset: slots.0 as i32,
         eps: io.eps,
-    })
-}
-
-/// The tensor-core gate/up's grid: tiles of 8 (gate, up) row pairs spread over about the blocks of
-/// `kernel` that fit at once, (blocks per slot, slots).
-fn tc_gate_up_grid(gpu: &Gpu, kernel: &str, p: &GateUpParams, nslots: usize, smem: u32) -> Result<(u32, u32, u32)> {
-    let n = p.i.max(p.is) as usize;
-    let resident = gpu.sm_count as usize * gpu.resident_blocks(kernel, THREADS, smem)?;
-    let tiles = n.div_ceil(8) * nslots;
-    Ok((((tiles.min(resident) / nslots).max(1)) as u32, nslots as u32, 1))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn gate_up_launch(
-    gpu: &Gpu,
-    io: &MoeIo,
-    x: DPtr,
-    norm: bool,
-    routed: Option<(&DevMatrix, usize, usize)>,
-    shared: Option<&DevMatrix>,
-    slots: (usize, usize),
-    engine: DotEngine,
-    route: Option<RouteParams>,
-) -> Result<Launch> {
-    let fmt = routed.map(|r| r.0).or(shared).expect("a slot").format;
-    let p = gate_up_params(io, x, norm, routed, shared, slots)?;
-    let d = p.d as usize;
+    };
     let nslots = slots.1 - slots.0;
-    let n = p.i.max(p.is) as usize;
+    let n = i.max(is);
     if tensor_core_gate_up(engine, d, routed.map(|r| r.0), shared) {
-        // kernels/matvec_tc.cu
+        // kernels/matvec_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
+        // blocks that fit at once
         let name = format!("matvec_tc_gate_up_q4_c{}", d / 1024);
-        let smem = tc_gate_up_smem(d);
-        let grid = tc_gate_up_grid(gpu, &name, &p, nslots, smem)?;
+        let smem = (4 * d + d / 16) as u32;
+        let resident = gpu.sm_count as usize * gpu.resident_blocks(&name, THREADS, smem)?;
+        let tiles = n.div_ceil(8) * nslots;
+        let grid_x = (tiles.min(resident) / nslots).max(1);
         let tp = TcGateUpParams {
             g: p,
             route: route.unwrap_or_default(),
         };
-        return Launch::new(gpu, &name, grid, THREADS, smem, &tp);
+        return Launch::new(
+            gpu,
+            &name,
+            (grid_x as u32, nslots as u32, 1),
+            THREADS,
+            smem,
+            &tp,
+        );
     }
     ensure!(
         route.is_none(),
@@ -274,11 +250,6 @@ fn gate_up_launch(
     )
 }
 
-/// Dynamic shared memory of the tensor-core gate/up: x̂'s B registers and group sums.
-fn tc_gate_up_smem(d: usize) -> u32 {
-    (4 * d + d / 16) as u32
-}
-
 /// Whether the gate/up products run on kernels/matvec_tc.cu (q4 in groups of 64, D 1024·{1, 2, 4}).
 fn tensor_core_gate_up(
     engine: DotEngine,
@@ -296,16 +267,16 @@ fn tensor_core_gate_up(
 /// MTC_DOWN_CHUNKS).
 const TC_DOWN_CHUNKS: usize = 40;
 
-/// The down launch's parameters (common.cuh DownParams); `clear`: the fused routing's accumulators
-/// (and their i64 words), zeroed by this launch.
-fn down_params(
+fn down_launch(
+    gpu: &Gpu,
     io: &MoeIo,
     routed: Option<(&DevMatrix, usize)>,
     shared: Option<(&DevMatrix, DPtr)>,
     a: usize,
     slots: (usize, usize),
+    engine: DotEngine,
     clear: Option<(DPtr, usize)>,
-) -> Result<DownParams> {
+) -> Result<Launch> {
     let m = routed.map(|r| r.0).or(shared.map(|s| s.0)).expect("a slot");
     ensure!(
         io.act_stride.is_multiple_of(32),
@@ -313,7 +284,7 @@ fn down_params(
         io.act_stride
     );
     let d = routed.map(|r| r.1).unwrap_or(m.rows);
-    Ok(DownParams {
+    let p = DownParams {
         act: io.act.0,
         experts: routed.map(|r| r.0.kref()).unwrap_or_default(),
         shared: shared.map(|s| s.0.kref()).unwrap_or_default(),
@@ -332,19 +303,9 @@ fn down_params(
         route_acc: clear.map(|c| c.0 .0).unwrap_or(0),
         route_acc_len: clear.map(|c| c.1).unwrap_or(0) as i32,
         pad: 0,
-    })
-}
-
-/// Chunks of 128 columns of the tensor-core down kernel's virtual row (all slots' rows side by side),
-/// or None where it does not run (not q4 in groups of 64, a width not a multiple of 128, more than
-/// [`TC_DOWN_CHUNKS`]).
-fn tc_down_chunks(
-    routed: Option<(&DevMatrix, usize)>,
-    shared: Option<(&DevMatrix, DPtr)>,
-    a: usize,
-    slots: (usize, usize),
-    engine: DotEngine,
-) -> Option<usize> {
+    };
+    // kernels/matvec_tc.cu: the slots' rows as one virtual row of chunks of 128 columns, at most
+    // TC_DOWN_CHUNKS of them (9 slots of 512 in the real model: 36)
     let q4_tc = |m: &DevMatrix| tensor_core_format(m) && m.cols.is_multiple_of(128);
     let n_routed = a.min(slots.1).saturating_sub(slots.0);
     let chunks = routed.map(|r| n_routed * r.0.cols / 128).unwrap_or(0)
@@ -352,41 +313,17 @@ fn tc_down_chunks(
             .filter(|_| slots.1 > a)
             .map(|s| s.0.cols / 128)
             .unwrap_or(0);
-    (engine == DotEngine::TensorCores
+    if engine == DotEngine::TensorCores
         && routed.is_none_or(|r| q4_tc(r.0))
         && shared.is_none_or(|s| q4_tc(s.0))
-        && chunks <= TC_DOWN_CHUNKS)
-        .then_some(chunks)
-}
-
-/// Dynamic shared memory of the tensor-core down: the B registers and the Σ per group of its chunks.
-fn tc_down_smem(chunks: usize) -> u32 {
-    (chunks * (512 + 8)) as u32
-}
-
-#[allow(clippy::too_many_arguments)]
-fn down_launch(
-    gpu: &Gpu,
-    io: &MoeIo,
-    routed: Option<(&DevMatrix, usize)>,
-    shared: Option<(&DevMatrix, DPtr)>,
-    a: usize,
-    slots: (usize, usize),
-    engine: DotEngine,
-    clear: Option<(DPtr, usize)>,
-) -> Result<Launch> {
-    let m = routed.map(|r| r.0).or(shared.map(|s| s.0)).expect("a slot");
-    let p = down_params(io, routed, shared, a, slots, clear)?;
-    let d = p.d as usize;
-    // kernels/matvec_tc.cu: the slots' rows as one virtual row of chunks of 128 columns (9 slots of
-    // 512 in the real model: 36)
-    if let Some(chunks) = tc_down_chunks(routed, shared, a, slots, engine) {
+        && chunks <= TC_DOWN_CHUNKS
+    {
         return Launch::new(
             gpu,
             "matvec_tc_down_q4",
             (d.div_ceil(16) as u32, 1, 1),
             THREADS,
-            tc_down_smem(chunks),
+            (chunks * (512 + 8)) as u32, // B registers + Σ per group
             &p,
         );
     }
@@ -407,58 +344,6 @@ fn down_launch(
 }
 
 /// The router launch's parameters (also phase 4 of the persistent decode layer).
-/// Whether gate/up and down run as one launch: lab only (`CALLA_MOE=one`), measured slower than two
-/// launches (docs/performance.md, session 9: the grid barrier costs more than the launch it saves).
-fn fuse_moe() -> bool {
-    std::env::var("CALLA_MOE").as_deref() == Ok("one")
-}
-
-/// The MoE's gate/up and down as one launch (matvec_tc.cu `matvec_tc_moe_q4_c*`: every block selects
-/// the experts, runs its gate/up tiles, requests its down tile's weights, waits at a grid barrier and
-/// runs the down tile; docs/performance.md, session 9), or None where it does not apply: the routing
-/// not taken by gate/up, gate/up or down not on the tensor-core kernels, no barrier counter, or more
-/// down tiles than blocks. Gate/up's grid (every block resident at once) is the barrier's.
-#[allow(clippy::too_many_arguments)]
-fn fused_moe_launch(
-    gpu: &Gpu,
-    io: &MoeIo,
-    x: DPtr,
-    norm: bool,
-    w: &MoeWeightsRef,
-    shared: Option<(&DevMatrix, &DevMatrix)>,
-    route: Option<RouteParams>,
-    clear: Option<(DPtr, usize)>,
-    engine: DotEngine,
-) -> Result<Option<Launch>> {
-    let (d, a) = (w.router.cols, w.top_k);
-    let i = w.gate_up.rows / (2 * w.experts);
-    let slots = (0, a + shared.is_some() as usize);
-    let Some(route) = route else { return Ok(None) };
-    let dn_shared = shared.map(|s| (s.1, io.shared_w));
-    let chunks = tc_down_chunks(Some((w.down, d)), dn_shared, a, slots, engine);
-    let (Some(chunks), true, true) = (
-        chunks,
-        fuse_moe() && io.moe_sync.0 != 0,
-        tensor_core_gate_up(engine, d, Some(w.gate_up), shared.map(|s| s.0)),
-    ) else {
-        return Ok(None);
-    };
-    let name = format!("matvec_tc_moe_q4_c{}", d / 1024);
-    let smem = tc_gate_up_smem(d).max(tc_down_smem(chunks));
-    let gu = gate_up_params(io, x, norm, Some((w.gate_up, i, a)), shared.map(|s| s.0), slots)?;
-    let grid = tc_gate_up_grid(gpu, &name, &gu, slots.1, smem)?;
-    if ((grid.0 * grid.1) as usize) < d.div_ceil(16) {
-        return Ok(None);
-    }
-    let p = TcMoeParams {
-        gu: TcGateUpParams { g: gu, route },
-        dn: down_params(io, Some((w.down, d)), dn_shared, a, slots, clear)?,
-        sync: io.moe_sync.0,
-        pad: 0,
-    };
-    Ok(Some(Launch::new(gpu, &name, grid, THREADS, smem, &p)?))
-}
-
 fn router_params(w: &MoeWeightsRef, io: &MoeIo) -> RouterParams {
     router_params_selecting(w, io, true)
 }
@@ -647,19 +532,6 @@ fn moe_on(
     if fused.is_none() {
         launches.push(router_launch(gpu, w, io, !selects)?);
     }
-    // the last down launch clears the fused routing's accumulators
-    let clear = fused.map(|acc| (acc, route_acc_words(e)));
-    let one_launch_shared = match (w.shared, same) {
-        (Some(s), Some(true)) => Some(Some(s)),
-        (None, _) => Some(None),
-        _ => None,
-    };
-    if let Some(shared) = one_launch_shared {
-        if let Some(l) = fused_moe_launch(gpu, io, x, norm, w, shared, route, clear, engine)? {
-            launches.push(l);
-            return Ok(launches);
-        }
-    }
     match (w.shared, same) {
         (Some((sgu, _)), Some(true)) => {
             launches.push(gate_up_launch(
@@ -710,6 +582,8 @@ fn moe_on(
             route,
         )?),
     }
+    // the last down launch clears the fused routing's accumulators
+    let clear = fused.map(|acc| (acc, route_acc_words(e)));
     match (w.shared, same) {
         (Some((_, sdn)), Some(true)) => {
             launches.push(down_launch(

@@ -22,7 +22,6 @@ fn parameter_structs_match_the_kernels() {
         ("RouteParams", size_of::<moe::RouteParams>(), 64),
         ("TcGateUpParams", size_of::<moe::TcGateUpParams>(), 192),
         ("DownParams", size_of::<moe::DownParams>(), 152),
-        ("TcMoeParams", size_of::<moe::TcMoeParams>(), 360),
         (
             "MoePersistentParams",
             size_of::<moe::MoePersistentParams>(),
