@@ -355,10 +355,16 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         if (threadIdx.x == 0) part->n_cand = got;
     }
 
-    // ---- the last block merges
+    // ---- the last block merges. The partial's stores (threads 0..) before the ticket: the barrier
+    // orders them before thread 0's fence, which publishes them (as cooperative groups' grid sync).
+#if defined(FENCE_ALL)
     __threadfence();
+#endif
     __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        is_last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
+    }
     __syncthreads();
     if (!is_last) return;
     __threadfence();
