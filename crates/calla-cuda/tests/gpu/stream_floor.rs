@@ -490,7 +490,10 @@ fn moe_link_with_reductions() {
     let weights = arena.alloc(layers * (gate_up + down)).unwrap();
     calla_cuda::synthetic::fill_f32(&gpu, weights, layers * (gate_up + down) / 4, -1.0, 1.0, 21)
         .unwrap();
-    let xs = [arena.alloc(2048 * 4).unwrap(), arena.alloc(2048 * 4).unwrap()];
+    let xs = [
+        arena.alloc(2048 * 4).unwrap(),
+        arena.alloc(2048 * 4).unwrap(),
+    ];
     for (i, x) in xs.iter().enumerate() {
         calla_cuda::synthetic::fill_f32(&gpu, *x, 2048, -1.0, 1.0, 22 + i as u64).unwrap();
     }
@@ -505,8 +508,18 @@ fn moe_link_with_reductions() {
         .flat_map(|l| {
             let base = weights.offset(l * (gate_up + down));
             [
-                chain_link(&gpu, base, gate_up, xs[0], xs[1], 2048, sink, 261, ChainMode::InputFirst)
-                    .unwrap(),
+                chain_link(
+                    &gpu,
+                    base,
+                    gate_up,
+                    xs[0],
+                    xs[1],
+                    2048,
+                    sink,
+                    261,
+                    ChainMode::InputFirst,
+                )
+                .unwrap(),
                 chain_link(
                     &gpu,
                     base.offset(gate_up),
@@ -522,12 +535,19 @@ fn moe_link_with_reductions() {
             ]
         })
         .collect();
-    per_layer("two links (gate/up on 261, down on 128), today's floor", &two);
+    per_layer(
+        "two links (gate/up on 261, down on 128), today's floor",
+        &two,
+    );
     for grid in [72u32, 144, 264, 288] {
         for (mode, copies, name) in [
             (RedMode::None, 1, "no reductions"),
             (RedMode::FixedI64, 1, "2,048 red.add.u64 per block"),
-            (RedMode::FixedI64, 4, "2,048 red.add.u64 per block, 4 copies"),
+            (
+                RedMode::FixedI64,
+                4,
+                "2,048 red.add.u64 per block, 4 copies",
+            ),
             (RedMode::F32, 1, "2,048 red.add.f32 per block"),
             (RedMode::F32x4, 1, "512 red.add.v4.f32 per block"),
         ] {
