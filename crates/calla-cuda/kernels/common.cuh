@@ -858,9 +858,10 @@ __device__ __forceinline__ void select_top(float* sl, int E, int A, float2* cand
 // L2) into sl [E], and the shared-expert gate's logit (thread 0's return value; requested with the
 // others rather than after the selection). No barrier.
 __device__ __forceinline__ float route_load_logits(const RouteParams& r, float* sl) {
-    if (r.fixed) { // the fused routing's sums: Σh², then every logit scaled by the norm's inv
+    if (r.fixed) { // the fused routing's sums: every logit scaled by the norm's inv (from Σh²)
         const i64* acc = (const i64*)r.logits;
         const int stride = route_acc_stride(r.E);
+#if defined(ROUTE_LOAD_SERIAL) // lab: Σh² first, the logits' loads after inv (two L2 round trips)
         const float ss = __ll2float_rn(route_acc_sum(acc, stride, r.E + 1)) * (1.0f / ROUTE_SQ_UNIT);
         const float inv = 1.0f / sqrtf(ss / (float)r.D + r.eps);
         for (int e = threadIdx.x; e < r.E; e += blockDim.x)
@@ -868,6 +869,20 @@ __device__ __forceinline__ float route_load_logits(const RouteParams& r, float* 
         return r.shared_gate && threadIdx.x == 0
                    ? __ll2float_rn(route_acc_sum(acc, stride, r.E)) * (1.0f / ROUTE_LOGIT_UNIT) * inv
                    : 0.0f;
+#else
+        // The thread's first logit, the gate's (thread 0) and Σh² requested together: one L2 round
+        // trip (the code had Σh²'s loads, then inv, then the logits' loads: two). More logits per
+        // thread than one (E > blockDim) follow in a loop.
+        const int e0 = threadIdx.x;
+        const i64 first = e0 < r.E ? route_acc_sum(acc, stride, e0) : 0;
+        const i64 gate = r.shared_gate && threadIdx.x == 0 ? route_acc_sum(acc, stride, r.E) : 0;
+        const float ss = __ll2float_rn(route_acc_sum(acc, stride, r.E + 1)) * (1.0f / ROUTE_SQ_UNIT);
+        const float inv = 1.0f / sqrtf(ss / (float)r.D + r.eps);
+        if (e0 < r.E) sl[e0] = __ll2float_rn(first) * (1.0f / ROUTE_LOGIT_UNIT) * inv;
+        for (int e = e0 + blockDim.x; e < r.E; e += blockDim.x)
+            sl[e] = __ll2float_rn(route_acc_sum(acc, stride, e)) * (1.0f / ROUTE_LOGIT_UNIT) * inv;
+        return r.shared_gate && threadIdx.x == 0 ? __ll2float_rn(gate) * (1.0f / ROUTE_LOGIT_UNIT) * inv : 0.0f;
+#endif
     }
     const volatile float* logits = (const volatile float*)r.logits;
     for (int e = threadIdx.x; e < r.E; e += blockDim.x) sl[e] = logits[e];
