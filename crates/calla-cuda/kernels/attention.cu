@@ -171,20 +171,10 @@ __device__ __forceinline__ int2 attn_live_splits(int pos, int nsplit, int min_ti
     return make_int2(min(nsplit, (tiles + min_tiles - 1) / min_tiles), tiles);
 }
 
-// Block-wide arrival at `ticket`, which `count` blocks reach in this launch: true in the last one
-// (which resets the ticket for the next launch). Writes before the call are visible to that block.
-__device__ __forceinline__ bool arrive_last(unsigned* ticket, unsigned count, int* flag_s) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned t = atomicAdd(ticket, 1u);
-        const int last = t + 1 == count;
-        if (last) atomicExch(ticket, 0u);
-        *flag_s = last;
-    }
-    __syncthreads();
-    const bool last = *flag_s != 0;
-    if (last) __threadfence();
+// common.cuh block_arrive_last, the last block resetting the ticket for the next launch.
+__device__ __forceinline__ bool arrive_last(unsigned* ticket, unsigned count) {
+    const bool last = block_arrive_last(ticket, count);
+    if (last && threadIdx.x == 0) atomicExch(ticket, 0u);
     return last;
 }
 
@@ -276,7 +266,6 @@ __device__ __forceinline__ void merge_partials(const AttnDecodeParams& p, int hq
 template <typename KV>
 __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
     extern __shared__ float smem[];
-    __shared__ int last_s;
     griddep_enter();
     const int G = p.Hq / p.Hkv, Dh = p.Dh, kvh = blockIdx.y, split = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, g = tid >> 5;
@@ -387,10 +376,10 @@ __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
     const int group = split / ATTN_GROUP, first = group * ATTN_GROUP;
     const int ngroups = (nsp + ATTN_GROUP - 1) / ATTN_GROUP;
     unsigned* tickets = (unsigned*)p.tickets + (i64)kvh * (1 + (p.nsplit + ATTN_GROUP - 1) / ATTN_GROUP);
-    if (!arrive_last(tickets + 1 + group, min(ATTN_GROUP, nsp - first), &last_s)) return;
+    if (!arrive_last(tickets + 1 + group, min(ATTN_GROUP, nsp - first))) return;
     merge_partials<4>(p, hq, first, 1, min(ATTN_GROUP, nsp - first), ngroups == 1);
     if (ngroups == 1) return;
-    if (!arrive_last(tickets, ngroups, &last_s)) return;
+    if (!arrive_last(tickets, ngroups)) return;
     merge_partials<4>(p, hq, 0, ATTN_GROUP, ngroups, true);
 }
 
@@ -483,11 +472,7 @@ __device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, in
     __shared__ float part_s[256];
     const int Dh = p.Dh, tid = threadIdx.x, lane = tid & 31;
     // The block's partial stores before its arrival: the barrier orders them before thread 0's fence
-    // and acq_rel arrival, which publish them (cumulativity; as cooperative groups' grid sync does).
-    // A fence in every thread (lab FENCE_ALL) measured 0.4 µs slower per launch in the fused-MoE lab.
-#if defined(FENCE_ALL)
-    __threadfence();
-#endif
+    // and acq_rel arrival, which publish them (as block_arrive_last, common.cuh).
     __syncthreads();
     if (tid == 0) {
         __threadfence();
@@ -563,7 +548,6 @@ __device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, in
 template <bool BARRIER>
 __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p) {
     extern __shared__ __align__(16) unsigned char attn_smem[];
-    __shared__ int last_s;
     const int G = p.Hq / p.Hkv, Dh = p.Dh, kvh = blockIdx.y, split = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, qd = lane & 3; // mma fragment: row group, column pair
@@ -856,14 +840,14 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
     const int ngroups = (nsp + ATTN_GROUP - 1) / ATTN_GROUP;
     unsigned* tickets = (unsigned*)p.tickets + (i64)kvh * (1 + (p.nsplit + ATTN_GROUP - 1) / ATTN_GROUP);
     LAB_STAMP(4);
-    if (!arrive_last(tickets + 1 + group, min(ATTN_GROUP, nsp - first), &last_s)) return;
+    if (!arrive_last(tickets + 1 + group, min(ATTN_GROUP, nsp - first))) return;
     LAB_STAMP(5);
     for (int h = warp; h < G; h += ATTN_WARPS)
         merge_partials(p, kvh * G + h, first, 1, min(ATTN_GROUP, nsp - first), ngroups == 1);
     __syncwarp();
     LAB_STAMP(6);
     if (ngroups == 1) return;
-    if (!arrive_last(tickets, ngroups, &last_s)) return;
+    if (!arrive_last(tickets, ngroups)) return;
     for (int h = warp; h < G; h += ATTN_WARPS) merge_partials(p, kvh * G + h, 0, ATTN_GROUP, ngroups, true);
     __syncwarp();
     LAB_STAMP(7);

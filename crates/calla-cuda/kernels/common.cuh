@@ -654,6 +654,24 @@ __device__ __forceinline__ void grid_wait(const GridSync& s, u64 target) {
     __syncthreads();
 }
 
+// Block-wide arrival at a u32 ticket that `count` blocks reach in this launch: true, in every thread,
+// in the last block to arrive, which then sees the writes every block made before its arrival. The
+// barrier orders the block's writes before thread 0's fence, which publishes them (cooperative
+// groups' grid-sync pattern; a fence in every thread measured 0.4 µs slower per launch, session 9).
+// The caller resets the ticket for the next launch.
+__device__ __forceinline__ bool block_arrive_last(unsigned* ticket, unsigned count) {
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(ticket, 1u) + 1 == count;
+    }
+    __syncthreads();
+    const bool is_last = last != 0;
+    if (is_last) __threadfence();
+    return is_last;
+}
+
 // The per-step cursor, written by the host when it changes and advanced on the device by the token
 // selection kernel: the decode graph reads everything sequence-dependent through it.
 struct Cursor {
@@ -861,15 +879,6 @@ __device__ __forceinline__ float route_load_logits(const RouteParams& r, float* 
     if (r.fixed) { // the fused routing's sums: every logit scaled by the norm's inv (from Σh²)
         const i64* acc = (const i64*)r.logits;
         const int stride = route_acc_stride(r.E);
-#if defined(ROUTE_LOAD_SERIAL) // lab: Σh² first, the logits' loads after inv (two L2 round trips)
-        const float ss = __ll2float_rn(route_acc_sum(acc, stride, r.E + 1)) * (1.0f / ROUTE_SQ_UNIT);
-        const float inv = 1.0f / sqrtf(ss / (float)r.D + r.eps);
-        for (int e = threadIdx.x; e < r.E; e += blockDim.x)
-            sl[e] = __ll2float_rn(route_acc_sum(acc, stride, e)) * (1.0f / ROUTE_LOGIT_UNIT) * inv;
-        return r.shared_gate && threadIdx.x == 0
-                   ? __ll2float_rn(route_acc_sum(acc, stride, r.E)) * (1.0f / ROUTE_LOGIT_UNIT) * inv
-                   : 0.0f;
-#else
         // The thread's first logit, the gate's (thread 0) and Σh² requested together: one L2 round
         // trip (the code had Σh²'s loads, then inv, then the logits' loads: two; gate/up 10.9 → 10.5
         // µs, session 9). More logits per thread than one (E > blockDim) follow in a loop.
@@ -882,7 +891,6 @@ __device__ __forceinline__ float route_load_logits(const RouteParams& r, float* 
         for (int e = e0 + blockDim.x; e < r.E; e += blockDim.x)
             sl[e] = __ll2float_rn(route_acc_sum(acc, stride, e)) * (1.0f / ROUTE_LOGIT_UNIT) * inv;
         return r.shared_gate && threadIdx.x == 0 ? __ll2float_rn(gate) * (1.0f / ROUTE_LOGIT_UNIT) * inv : 0.0f;
-#endif
     }
     const volatile float* logits = (const volatile float*)r.logits;
     for (int e = threadIdx.x; e < r.E; e += blockDim.x) sl[e] = logits[e];

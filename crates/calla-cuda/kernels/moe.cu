@@ -126,13 +126,7 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     // are all this kernel leaves.
     if (!p.counter) return;
     // The last block to finish selects (one block of 256 threads).
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
+    if (!block_arrive_last((unsigned*)p.counter, gridDim.x)) return;
     __shared__ float4 sl4[MOE_MAX_E / 4];
     __shared__ int sel_id[MOE_MAX_A];
     __shared__ float sel_p[MOE_MAX_A];

@@ -267,7 +267,6 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     float* zv = sm + arr;  // [arr]
     __shared__ Best scratch[32];
     __shared__ float red[32];
-    __shared__ int is_last;
     const SelectConfig c = *(const SelectConfig*)p.config;
     const bool sampling = c.temperature > 0.0f;
     const int lo = blockIdx.x * p.chunk, n = max(0, min(p.V, lo + p.chunk) - lo);
@@ -355,19 +354,8 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         if (threadIdx.x == 0) part->n_cand = got;
     }
 
-    // ---- the last block merges. The partial's stores (threads 0..) before the ticket: the barrier
-    // orders them before thread 0's fence, which publishes them (as cooperative groups' grid sync).
-#if defined(FENCE_ALL)
-    __threadfence();
-#endif
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        is_last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
+    // ---- the last block merges
+    if (!block_arrive_last((unsigned*)p.counter, gridDim.x)) return;
     const int NB = gridDim.x;
     const volatile SelectPartial* parts = (const volatile SelectPartial*)p.partials;
     __shared__ float g_lse, g_zmax, g_ztotal;
