@@ -88,8 +88,9 @@ struct AttnpFlashParams {
     u64 q_hi, q_lo;       // [T, Hq, Dh] bf16 planes (lo: split only)
     u64 k_cache, v_cache; // [Hkv, max_ctx, Dh]
     u64 qg;               // gate source [T, qg_ld] f32
-    u64 out_hi, out_lo;   // [T, Hq·Dh] bf16 planes (lo may be 0)
+    u64 out_hi, out_lo;   // [T, Hq·Dh] bf16 planes (either may be 0)
     int T, p0, Hq, Hkv, max_ctx, gated, qg_ld, pad;
+    u64 out_f16;          // [T, Hq·Dh] f16 or 0
 };
 
 // Tile byte offset of (row r, chunk c) for rows of DH bf16.
@@ -308,7 +309,7 @@ __device__ __forceinline__ void attnp_flash_body(const AttnpFlashParams& p) {
                 const int d = j * 8 + 2 * qd + e;
                 float v = o[j][2 * hr + e] * inv;
                 if (p.gated) v *= sigmoid_f(gate[d]);
-                store_planes((u16*)p.out_hi, (u16*)p.out_lo, orow + d, v);
+                store_act((u16*)p.out_hi, (u16*)p.out_lo, (u16*)p.out_f16, orow + d, v);
             }
     }
 }

@@ -45,6 +45,14 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
+// Round to nearest even, saturating: beyond f16's range an activation becomes ±65504, not ±inf
+// (a product of it then stays finite); NaN stays NaN.
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    if (fabsf(f) > 65504.0f) f = copysignf(65504.0f, f);
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
 __device__ __forceinline__ float f16_lo(u32 pair) { return f16_to_f32((u16)(pair & 0xffffu)); }
 __device__ __forceinline__ float f16_hi(u32 pair) { return f16_to_f32((u16)(pair >> 16)); }
 

@@ -469,9 +469,10 @@ struct DnNormParams {
     u64 o;       // [T, Hv, Dv]
     u64 z;       // [T, Hv·Dv]
     u64 norm_w;  // [Dv]
-    u64 out_hi, out_lo; // [T, Hv·Dv] bf16 planes
+    u64 out_hi, out_lo; // [T, Hv·Dv] bf16 planes (either may be 0)
     int T, Hv, Dv;
     float eps;
+    u64 out_f16;        // [T, Hv·Dv] f16 or 0
 };
 
 extern "C" __global__ void __launch_bounds__(256) prefill_dn_norm(const DnNormParams p) {
@@ -485,5 +486,5 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_norm(const DnNormPa
     const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)p.Dv + p.eps);
     const float* w = (const float*)p.norm_w;
     for (int j = lane; j < p.Dv; j += 32)
-        store_planes((u16*)p.out_hi, (u16*)p.out_lo, row * p.Dv + j, w[j] * (o[j] * inv) * silu_f(z[j]));
+        store_act((u16*)p.out_hi, (u16*)p.out_lo, (u16*)p.out_f16, row * p.Dv + j, w[j] * (o[j] * inv) * silu_f(z[j]));
 }

@@ -33,6 +33,7 @@
 #define GEMM_OUT_F32 0
 #define GEMM_OUT_F32_ACC 1
 #define GEMM_OUT_BF16 2
+#define GEMM_OUT_F16 3 // one f16 plane (the input of a Half-precision GEMM)
 
 struct GemmParams {
     u64 a_hi;       // bf16 [rows, lda]
@@ -70,16 +71,18 @@ __device__ __forceinline__ u32 q4_code_pair_bf16(u32 word, int e) {
 
 // Store one accumulator fragment: c0, c1 = (row ma, columns col, col + 1), c2, c3 = (row ma + 8,
 // same columns), through the launch's epilogue (row scale, SwiGLU pair, f32 / f32 += / planes).
+// One output value through the launch's epilogue: row scale, then f32 / f32 += / bf16 planes / f16.
+__device__ __forceinline__ void gemm_emit(const GemmParams& p, int m, int n, float v) {
+    if (p.row_scale) v *= ((const float*)p.row_scale)[m];
+    const i64 idx = (i64)m * p.ldo + n;
+    if (p.mode == GEMM_OUT_F32) ((float*)p.out)[idx] = v;
+    else if (p.mode == GEMM_OUT_F32_ACC) ((float*)p.out)[idx] += v;
+    else if (p.mode == GEMM_OUT_F16) ((u16*)p.out)[idx] = f32_to_f16(v);
+    else store_planes((u16*)p.out, (u16*)p.out_lo, idx, v);
+}
+
 __device__ __forceinline__ void gemm_store_frag(const GemmParams& p, int ma, int m_end, int col, int n_out, const float* c) {
-    float* out_f = (float*)p.out;
-    const float* scale = (const float*)p.row_scale;
-    auto emit = [&](int m, int n, float v) {
-        if (scale) v *= scale[m];
-        const i64 idx = (i64)m * p.ldo + n;
-        if (p.mode == GEMM_OUT_F32) out_f[idx] = v;
-        else if (p.mode == GEMM_OUT_F32_ACC) out_f[idx] += v;
-        else store_planes((u16*)p.out, (u16*)p.out_lo, idx, v);
-    };
+    auto emit = [&](int m, int n, float v) { gemm_emit(p, m, n, v); };
     const int mb = ma + 8;
     if (p.swiglu) {
         const int jo = col >> 1; // (gate, up) of output column jo sit in (c0, c1)
@@ -411,6 +414,55 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_q4_splitx(con
 #define WGX_RAW_BYTES (GEMM_BN * 32 + GEMM_BN * 8) // the tile's codes and (scale, bias) as stored
 #define WGX_STAGE_BYTES (2 * GEMM_TILE_BYTES + WGX_B_BYTES + WGX_PAR_BYTES + WGX_RAW_BYTES)
 
+// The tile's stores (fragment j: rows ma, ma + 8, columns col0 + 8j, +1), one instantiation per
+// output mode, as gemm_q4_wgh's (wgh_epilogue: one body branching on the mode per value overflows
+// the instruction cache); the accumulating mode loads 16 old values at a time before adding.
+template <int MODE>
+__device__ __forceinline__ void wgx_epilogue(const GemmParams& p, int ma, int m_end, int col0, int n_out, const float* acc) {
+    const int mb = ma + 8;
+    const float* scale = (const float*)p.row_scale;
+    const float sa = scale && ma < m_end ? scale[ma] : 1.0f, sb = scale && mb < m_end ? scale[mb] : 1.0f;
+    auto store = [&](int m, int n, float v) {
+        const i64 idx = (i64)m * p.ldo + n;
+        if (MODE == GEMM_OUT_F32 || MODE == GEMM_OUT_F32_ACC) ((float*)p.out)[idx] = v;
+        else if (MODE == GEMM_OUT_F16) ((u16*)p.out)[idx] = f32_to_f16(v);
+        else store_planes((u16*)p.out, (u16*)p.out_lo, idx, v);
+    };
+    if (p.swiglu) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int jo = (col0 + 8 * j) >> 1; // (gate, up) of output column jo sit in (c0, c1)
+            if (jo >= n_out) continue;
+            if (ma < m_end) store(ma, jo, silu_f(acc[4 * j]) * acc[4 * j + 1] * sa);
+            if (mb < m_end) store(mb, jo, silu_f(acc[4 * j + 2]) * acc[4 * j + 3] * sb);
+        }
+        return;
+    }
+#pragma unroll
+    for (int jb = 0; jb < 16; jb += 4) {
+        float old[4][4];
+        if (MODE == GEMM_OUT_F32_ACC) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int m = e < 2 ? ma : mb, n = col0 + 8 * (jb + j) + (e & 1);
+                    old[j][e] = m < m_end && n < p.N ? ((const float*)p.out)[(i64)m * p.ldo + n] : 0.0f;
+                }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int m = e < 2 ? ma : mb, n = col0 + 8 * (jb + j) + (e & 1);
+                if (m >= m_end || n >= p.N) continue;
+                float v = acc[4 * (jb + j) + e] * (e < 2 ? sa : sb);
+                if (MODE == GEMM_OUT_F32_ACC) v += old[j][e];
+                store(m, n, v);
+            }
+    }
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
     constexpr u32 STAGE = WGX_STAGE_BYTES;
@@ -608,9 +660,13 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
             if (lane == 0) mbar_arrive(empty + 8 * st); // this warp is done with the stage
         }
 
-        const int ma = m0 + wg * 64 + wi * 16 + (lane >> 2);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) gemm_store_frag(p, ma, m_end, n0 + j * 8 + 2 * (lane & 3), n_out, &acc[4 * j]);
+        const int ma = m0 + wg * 64 + wi * 16 + (lane >> 2), col0 = n0 + 2 * (lane & 3);
+        switch (p.mode) {
+            case GEMM_OUT_F32: wgx_epilogue<GEMM_OUT_F32>(p, ma, m_end, col0, n_out, acc); break;
+            case GEMM_OUT_F32_ACC: wgx_epilogue<GEMM_OUT_F32_ACC>(p, ma, m_end, col0, n_out, acc); break;
+            case GEMM_OUT_F16: wgx_epilogue<GEMM_OUT_F16>(p, ma, m_end, col0, n_out, acc); break;
+            default: wgx_epilogue<GEMM_OUT_BF16>(p, ma, m_end, col0, n_out, acc); break;
+        }
     }
 }
 #endif
@@ -622,6 +678,326 @@ extern "C" __global__ void __launch_bounds__(WGX_THREADS, 1) gemm_q4_wgx_split(c
 #endif
 }
 
+// ---------------------------------------------------------------- q4 × f16 activations on wgmma
+// gemm_q4_wgh (sm_90a; Precision::Half, q4 in groups of 64): Y = X·Wᵀ with X one f16 plane (a_hi)
+// and each weight dequantised to f16 in registers (w = s·q + b: q − 1024 exact, one rounding in the
+// FMA), f32 accumulation. Error per product ~2⁻¹² relative from each operand (bf16 fast: 2⁻⁹).
+// Roles swapped against gemm_q4_wgx_split: W is wgmma's A operand, straight from registers (the
+// consumers turn the codes they need into fragments: no converted tile, no producer wait, no
+// per-k-tile fold), X the B operand, K-major in shared memory in the 128-byte swizzle as copied.
+// Block 384 = 3 warpgroups, tile 128 tokens (M) × 128·WGH_SLABS·2 features (N) × 64 k:
+//   consumers (warpgroups 0, 1): warpgroup w owns features 128w.. (WGH_SLABS slabs of 64); per
+//     k-tile WGH_SLABS × 4 wgmma m64n128k16, wait, release the stage.
+//   producer (warpgroup 2): X rows (gathered for the MoE), the codes and their (scale, bias) by
+//     cp.async; each thread's copies arrive on the stage's full barrier when they land
+//     (cp.async.mbarrier.arrive.noinc), so it only ever waits for a free stage.
+// Fragment of lane 4g + q, k16 slice ks: a0/a2 take k pair (2q, 2q+1) of 8-code chunks 2ks / 2ks+1,
+// i.e. byte q of the row's words 2ks and 2ks + 1 (a1, a3: the same for row g + 8).
+// Under SwiGLU, tile rows 16i + j (j < 8) are gate rows and 16i + 8 + j the up rows of the same
+// output column: both sit in one thread (fragment rows g and g + 8).
+// Lab switches (CALLA_NVRTC_DEFINES): WGH_LAB_NO_MMA (no wgmma), WGH_LAB_NO_EPILOGUE (no stores):
+// wrong results; docs/performance.md ("Session 10") has what they measured.
+#ifndef WGH_SLABS
+#define WGH_SLABS 2
+#endif
+#define WGH_STAGES 8
+// Registers per thread after setmaxnreg: the producer's copies need ~96 (fewer spill), the consumers'
+// 128 accumulators and 32 fragment registers the rest. Asking for more than the register file holds
+// makes setmaxnreg.inc wait forever.
+#define WGH_PRODUCER_REGS 96
+#define WGH_CONSUMER_REGS 200
+static_assert(128 * WGH_PRODUCER_REGS + 256 * WGH_CONSUMER_REGS <= 64512, "setmaxnreg beyond the register file");
+#define WGH_BN (128 * WGH_SLABS)
+#define WGH_X_BYTES (GEMM_BM * 128)
+#define WGH_CODE_BYTES (WGH_BN * 32)
+#define WGH_PAR_BYTES (WGH_BN * 8)
+#define WGH_STAGE_BYTES (WGH_X_BYTES + WGH_CODE_BYTES + WGH_PAR_BYTES)
+
+// W row of tile row r in the N tile at n0 (see above for SwiGLU), −1 past the end.
+__device__ __forceinline__ i64 wgh_w_row(const GemmParams& p, int n0, int n_out, i64 w_base, int r) {
+    if (p.swiglu) {
+        const int j = n0 / 2 + (r >> 4) * 8 + (r & 7);
+        return j < n_out ? w_base + ((r & 8) ? n_out + j : j) : -1;
+    }
+    return n0 + r < p.N ? w_base + n0 + r : -1;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// The f16 pair (s·q_lo + b, s·q_hi + b) of byte `sel`'s two codes; `word_hi4` = word >> 4.
+__device__ __forceinline__ u32 wgh_dequant(u32 word, u32 word_hi4, u32 sel, u32 s2, u32 b2) {
+    u32 x;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(x) : "r"(word), "r"(word_hi4), "r"(sel));
+    x &= 0x000F000Fu; // (q_lo, q_hi) in the low nibbles
+    u32 v = x | 0x64006400u, q, w;                                 // f16 1024 + q
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(q) : "r"(v), "r"(0x64006400u)); // q, exact
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(w) : "r"(q), "r"(s2), "r"(b2));
+    return w;
+}
+__device__ __forceinline__ u32 f16x2_of(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// The tile's stores, one instantiation per output mode (and SwiGLU): a single straight-line body
+// per launch. (One body branching on the mode per value was ~18K instructions, far beyond the
+// instruction cache, and tripled the kernel's time.) The accumulating mode loads its old values
+// 32 at a time before adding, instead of one dependent round trip per value.
+template <int MODE, int SWIGLU>
+__device__ __forceinline__ void wgh_epilogue(const GemmParams& p, float (&acc)[WGH_SLABS][64], int m0, int m_end,
+                                             int n0, int rbase, int q, int n_out) {
+    constexpr int JB = 2; // token columns j per batch: their row scales and old values load together
+    auto store = [&](int m, int n, float v) {
+        const i64 idx = (i64)m * p.ldo + n;
+        if (MODE == GEMM_OUT_F32 || MODE == GEMM_OUT_F32_ACC) ((float*)p.out)[idx] = v;
+        else if (MODE == GEMM_OUT_F16) ((u16*)p.out)[idx] = f32_to_f16(v);
+        else store_planes((u16*)p.out, (u16*)p.out_lo, idx, v);
+    };
+#pragma unroll
+    for (int sl = 0; sl < WGH_SLABS; ++sl) {
+        const int r0 = rbase + 64 * sl;
+#pragma unroll
+        for (int jb = 0; jb < 16; jb += JB) {
+            float sc[JB][2], old[JB][2][2];
+#pragma unroll
+            for (int j = 0; j < JB; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int m = m0 + 8 * (jb + j) + 2 * q + e;
+                    sc[j][e] = p.row_scale && m < m_end ? ((const float*)p.row_scale)[m] : 1.0f;
+                    if (MODE == GEMM_OUT_F32_ACC && !SWIGLU) {
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int n = n0 + r0 + 8 * h;
+                            old[j][e][h] = m < m_end && n < p.N ? ((const float*)p.out)[(i64)m * p.ldo + n] : 0.0f;
+                        }
+                    }
+                }
+#pragma unroll
+            for (int j = 0; j < JB; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int m = m0 + 8 * (jb + j) + 2 * q + e;
+                    if (m >= m_end) continue;
+                    const float* c = &acc[sl][4 * (jb + j)];
+                    if (SWIGLU) {
+                        const int jo = n0 / 2 + (r0 >> 4) * 8 + (r0 & 7);
+                        if (jo < n_out) store(m, jo, silu_f(c[e]) * c[2 + e] * sc[j][e]);
+                    } else {
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int n = n0 + r0 + 8 * h;
+                            if (n >= p.N) continue;
+                            float v = c[2 * h + e] * sc[j][e];
+                            if (MODE == GEMM_OUT_F32_ACC) v += old[j][e][h];
+                            store(m, n, v);
+                        }
+                    }
+                }
+        }
+    }
+}
+
+__device__ __forceinline__ void gemm_wgh_body(const GemmParams& p) {
+    constexpr u32 STAGE = WGH_STAGE_BYTES;
+    static_assert(STAGE % 1024 == 0, "stage parts must stay 1024-aligned");
+    extern __shared__ __align__(1024) u8 smem[];
+    const u32 raw = smem_addr(smem);
+    const u32 sbase = (raw + 1023u) & ~1023u;
+    const u8* const sgen = smem + (sbase - raw);
+    auto x_off = [&](int s) -> u32 { return (u32)s * STAGE; };
+    auto code_off = [&](int s) -> u32 { return (u32)s * STAGE + WGH_X_BYTES; };
+    auto par_off = [&](int s) -> u32 { return code_off(s) + WGH_CODE_BYTES; };
+    const u32 full = sbase + WGH_STAGES * STAGE, empty = full + WGH_STAGES * 8; // u64 each
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n_tiles = (p.N + WGH_BN - 1) / WGH_BN;
+    const int m_tiles = p.tile_map ? *(const int*)p.tile_count : (p.M + GEMM_BM - 1) / GEMM_BM;
+    const int tiles = n_tiles * m_tiles;
+    int m0 = 0, m_end = 0, n0 = 0;
+    i64 w_base = 0;
+    auto locate = [&](int t) {
+        const int mt = t / n_tiles;
+        n0 = (t - mt * n_tiles) * WGH_BN;
+        if (p.tile_map) {
+            const int4 e = ((const int4*)p.tile_map)[mt];
+            m0 = e.y;
+            m_end = min(e.z, e.y + GEMM_BM);
+            w_base = (i64)e.x * p.expert_rows;
+        } else {
+            m0 = mt * GEMM_BM;
+            m_end = min(p.M, m0 + GEMM_BM);
+        }
+    };
+    const int n_out = p.swiglu ? p.N / 2 : p.N;
+    const int KT = p.K / GEMM_BK;
+
+    if (tid == 0) {
+        for (int s = 0; s < WGH_STAGES; ++s) {
+            mbar_init(full + 8 * s, 128);
+            mbar_init(empty + 8 * s, 8);
+        }
+    }
+    fence_proxy_async_smem();
+    __syncthreads();
+
+    if (warp >= 8) {
+        // ---------------- producer warpgroup
+#if WGH_SLABS == 2
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WGH_PRODUCER_REGS) : "memory");
+#endif
+        const int ptid = tid - 256;
+        const int ch = ptid & 7; // X: chunk ch of tile rows (ptid >> 3) + 16i, i < 8
+        int x_row[8];
+        constexpr int CODE_UNITS = WGH_BN * 2 / 128; // 16-byte code units per thread: (row u >> 1, half u & 1)
+        constexpr int PAR_ROWS = WGH_BN / 128;
+        i64 w_row[CODE_UNITS], p_row[PAR_ROWS];
+        const int par_bytes = p.w.param_f32 ? 8 : 4;
+        int g = 0;
+        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+            locate(t);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int m = m0 + (ptid >> 3) + 16 * i;
+                x_row[i] = m < m_end ? (p.a_rows ? ((const int*)p.a_rows)[m] : m) : -1;
+            }
+#pragma unroll
+            for (int i = 0; i < CODE_UNITS; ++i) w_row[i] = wgh_w_row(p, n0, n_out, w_base, (ptid + 128 * i) >> 1);
+#pragma unroll
+            for (int i = 0; i < PAR_ROWS; ++i) p_row[i] = wgh_w_row(p, n0, n_out, w_base, ptid + 128 * i);
+            for (int kt = 0; kt < KT; ++kt, ++g) {
+                const int s = g % WGH_STAGES;
+                if (g >= WGH_STAGES) mbar_wait(empty + 8 * s, ((g / WGH_STAGES) + 1) & 1);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const u8* src = (const u8*)p.a_hi + ((i64)max(x_row[i], 0) * p.lda + kt * GEMM_BK + ch * 8) * 2;
+                    cp_async16(sbase + x_off(s) + gemm_swz((ptid >> 3) + 16 * i, ch), src, x_row[i] >= 0 ? 16 : 0);
+                }
+#pragma unroll
+                for (int i = 0; i < CODE_UNITS; ++i) {
+                    const int u = ptid + 128 * i;
+                    const u8* src = (const u8*)p.w.data + max(w_row[i], (i64)0) * p.w.row_bytes + kt * 32 + (u & 1) * 16;
+                    cp_async16(sbase + code_off(s) + u * 16, src, w_row[i] >= 0 ? 16 : 0);
+                }
+#pragma unroll
+                for (int i = 0; i < PAR_ROWS; ++i) {
+                    const int r = ptid + 128 * i;
+                    const u8* par = (const u8*)p.w.params + (max(p_row[i], (i64)0) * p.w.groups_per_row + kt) * par_bytes;
+                    if (p.w.param_f32) cp_async8(sbase + par_off(s) + r * 8, par, p_row[i] >= 0 ? 8 : 0);
+                    else cp_async4(sbase + par_off(s) + r * 8, par, p_row[i] >= 0 ? 4 : 0);
+                }
+                cp_async_mbar_arrive(full + 8 * s);
+            }
+        }
+        cp_async_wait_all(); // the block must not exit with copies in flight
+        return;
+    }
+
+    // ---------------- consumer warpgroups
+#if WGH_SLABS == 2
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WGH_CONSUMER_REGS) : "memory");
+#endif
+    const int wg = warp >> 2, wi = warp & 3, gq = lane >> 2, q = lane & 3;
+    const u32 sel = (u32)q | (4u + q) << 8 | 0x7070u;  // bytes: q of word, 0, q of word >> 4, 0 ... (masked after)
+    float acc[WGH_SLABS][64];
+    int g = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        locate(t);
+#pragma unroll
+        for (int sl = 0; sl < WGH_SLABS; ++sl)
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[sl][i] = 0.0f;
+        for (int kt = 0; kt < KT; ++kt, ++g) {
+            const int st = g % WGH_STAGES;
+            mbar_wait(full + 8 * st, (g / WGH_STAGES) & 1);
+            fence_proxy_async_smem(); // the copies landed through the generic proxy; wgmma reads via the async one
+            u32 af[WGH_SLABS][4][4];
+#pragma unroll
+            for (int sl = 0; sl < WGH_SLABS; ++sl) {
+                const int r0 = wg * 64 * WGH_SLABS + sl * 64 + wi * 16 + gq; // tile rows r0, r0 + 8
+                u32 sb2[2][2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u8* rp = sgen + par_off(st) + (r0 + 8 * h) * 8;
+                    float2 sb;
+                    if (p.w.param_f32) sb = *(const float2*)rp;
+                    else {
+                        const u32 pair = *(const u32*)rp;
+                        sb = make_float2(bf16_lo(pair), bf16_hi(pair));
+                    }
+                    sb2[h][0] = f16x2_of(sb.x, sb.x);
+                    sb2[h][1] = f16x2_of(sb.y, sb.y);
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const uint4 c0 = *(const uint4*)(sgen + code_off(st) + (r0 + 8 * h) * 32);
+                    const uint4 c1 = *(const uint4*)(sgen + code_off(st) + (r0 + 8 * h) * 32 + 16);
+                    const u32 wd[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+                    for (int ks = 0; ks < 4; ++ks) {
+                        af[sl][ks][h] = wgh_dequant(wd[2 * ks], wd[2 * ks] >> 4, sel, sb2[h][0], sb2[h][1]);
+                        af[sl][ks][2 + h] = wgh_dequant(wd[2 * ks + 1], wd[2 * ks + 1] >> 4, sel, sb2[h][0], sb2[h][1]);
+                    }
+                }
+            }
+            const u64 dx = wgmma_desc_sw128(sbase + x_off(st));
+#pragma unroll
+            for (int sl = 0; sl < WGH_SLABS; ++sl)
+#pragma unroll
+                for (int i = 0; i < 64; ++i) wgmma_pin(acc[sl][i]);
+            wgmma_fence();
+#ifndef WGH_LAB_NO_MMA
+#pragma unroll
+            for (int sl = 0; sl < WGH_SLABS; ++sl)
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks) wgmma_m64n128k16_f16_rs(acc[sl], af[sl][ks], dx + 2 * ks);
+#endif
+            wgmma_commit();
+            wgmma_wait_all();
+#pragma unroll
+            for (int sl = 0; sl < WGH_SLABS; ++sl) {
+#pragma unroll
+                for (int i = 0; i < 64; ++i) wgmma_pin(acc[sl][i]);
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(af[sl][ks][e])::"memory");
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + 8 * st);
+        }
+
+        // epilogue: fragment (row r0 + 8h, token 8j + 2q + e) of slab sl is acc[sl][4j + 2h + e]
+#ifdef WGH_LAB_NO_EPILOGUE
+        if (acc[0][0] == 1.2345f) gemm_emit(p, m0, n0, acc[WGH_SLABS - 1][63]);
+        continue;
+#endif
+        const int rbase = wg * 64 * WGH_SLABS + wi * 16 + gq;
+#define WGH_EPILOGUE(MODE)                                                                  \
+    case MODE:                                                                              \
+        if (p.swiglu) wgh_epilogue<MODE, 1>(p, acc, m0, m_end, n0, rbase, q, n_out);        \
+        else wgh_epilogue<MODE, 0>(p, acc, m0, m_end, n0, rbase, q, n_out);                 \
+        break;
+        switch (p.mode) {
+            WGH_EPILOGUE(GEMM_OUT_F32)
+            WGH_EPILOGUE(GEMM_OUT_F32_ACC)
+            WGH_EPILOGUE(GEMM_OUT_F16)
+            default: WGH_EPILOGUE(GEMM_OUT_BF16)
+        }
+#undef WGH_EPILOGUE
+    }
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(WGX_THREADS, 1) gemm_q4_wgh(const GemmParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    gemm_wgh_body(p);
+#endif
+}
+
 // ---------------------------------------------------------------- RMSNorm rows → bf16 planes
 // x̂[t] = x[t]·(1/√(mean(x[t]²) + eps))·gain   (gain = 1 + w; no norm when gain is null: a plain
 // conversion). Output planes hi/lo [T, D] (lo may be null). grid T, block 256, static smem.
@@ -629,10 +1005,11 @@ extern "C" __global__ void __launch_bounds__(WGX_THREADS, 1) gemm_q4_wgx_split(c
 struct RowNormParams {
     u64 x;     // [T, D] f32
     u64 gain;  // [D] f32 or 0
-    u64 hi, lo;// [T, D] bf16
+    u64 hi, lo;// [T, D] bf16 (either may be 0)
     int T, D;
     float eps;
     int pad;
+    u64 f16;   // [T, D] f16 or 0
 };
 
 extern "C" __global__ void __launch_bounds__(256) gemm_rmsnorm_planes(const RowNormParams p) {
@@ -648,7 +1025,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_rmsnorm_planes(const RowN
     const float* g = (const float*)p.gain;
     for (int i = threadIdx.x; i < p.D; i += blockDim.x) {
         const float v = g ? x[i] * inv * g[i] : x[i];
-        store_planes((u16*)p.hi, (u16*)p.lo, (i64)t * p.D + i, v);
+        store_act((u16*)p.hi, (u16*)p.lo, (u16*)p.f16, (i64)t * p.D + i, v);
     }
 }
 

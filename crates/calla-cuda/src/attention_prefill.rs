@@ -101,6 +101,7 @@ struct AttnpFlashParams {
     gated: i32,
     qg_ld: i32,
     pad: i32,
+    out_f16: u64,
 }
 
 fn suffix(kv: KvDtype) -> &'static str {
@@ -189,6 +190,7 @@ pub fn prefill_core(
         gated: gated as i32,
         qg_ld: (hq * dh * if gated { 2 } else { 1 }) as i32,
         pad: 0,
+        out_f16: io.y.f16.0,
     };
     Ok(vec![
         Launch::new(

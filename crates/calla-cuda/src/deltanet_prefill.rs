@@ -172,6 +172,7 @@ struct DnNormParams {
     hv: i32,
     dv: i32,
     eps: f32,
+    out_f16: u64,
 }
 
 /// The launches of one layer's DeltaNet core for `t` tokens at positions `p0..p0+t`.
@@ -309,6 +310,7 @@ pub fn prefill_core(
         hv: dims.1,
         dv: dims.3,
         eps: spec.rms_norm_eps,
+        out_f16: io.y.f16.0,
     };
     out.push(Launch::new(
         gpu,

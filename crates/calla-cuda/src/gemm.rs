@@ -15,6 +15,7 @@
 use anyhow::{bail, ensure, Result};
 
 use crate::gpu::{DPtr, Gpu, Launch};
+use crate::prompt_precision::{Product, PromptPrecision};
 use crate::weights::{DevMatrix, Format, MatrixRef};
 
 pub const BM: usize = 128;
@@ -30,6 +31,10 @@ pub enum Precision {
     Fast,
     /// bf16 hi + lo splits of both operands: ~f32 accuracy at 3× the tensor-core work.
     Split,
+    /// f16 activations × f16 dequantised weights (each rounded once, ~2⁻¹² relative), f32
+    /// accumulation: one product on the tensor cores at 8× less rounding than fast. q4 weights in
+    /// groups of 64 on sm_90a only (`gemm_q4_wgh`); elsewhere [`runnable`] turns it into split.
+    Half,
 }
 
 impl Precision {
@@ -37,6 +42,7 @@ impl Precision {
         match self {
             Precision::Fast => "fast",
             Precision::Split => "split",
+            Precision::Half => "half",
         }
     }
     /// The precision to run a matrix in when the caller has no preference: f32/f16 weights are a
@@ -49,22 +55,36 @@ impl Precision {
     }
 }
 
-/// bf16 activation planes `[rows, ld]` (u16 each); `lo` is NULL when absent.
+/// Activation planes `[rows, ld]` (u16 each): bf16 `hi` and `lo` for fast and split consumers,
+/// and one f16 plane for half consumers; absent planes are NULL. A plane read by one consumer only
+/// may have its f16 plane share the lo plane's memory: its producer then gets
+/// [`Planes::for_precision`], which keeps only what that consumer reads.
 #[derive(Debug, Clone, Copy)]
 pub struct Planes {
     pub hi: DPtr,
     pub lo: DPtr,
     pub ld: usize,
+    pub f16: DPtr,
 }
 
 impl Planes {
     pub fn new(hi: DPtr, lo: DPtr, ld: usize) -> Planes {
-        Planes { hi, lo, ld }
+        Planes {
+            hi,
+            lo,
+            ld,
+            f16: DPtr::NULL,
+        }
     }
-    /// The same planes without the lo plane (a fast-precision consumer).
+    /// The same planes with an f16 plane.
+    pub fn with_f16(self, f16: DPtr) -> Planes {
+        Planes { f16, ..self }
+    }
+    /// The same planes without the lo and f16 planes (a fast-precision consumer).
     pub fn hi_only(self) -> Planes {
         Planes {
             lo: DPtr::NULL,
+            f16: DPtr::NULL,
             ..self
         }
     }
@@ -72,7 +92,15 @@ impl Planes {
     pub fn for_precision(self, precision: Precision) -> Planes {
         match precision {
             Precision::Fast => self.hi_only(),
-            Precision::Split => self,
+            Precision::Split => Planes {
+                f16: DPtr::NULL,
+                ..self
+            },
+            Precision::Half => Planes {
+                hi: DPtr::NULL,
+                lo: DPtr::NULL,
+                ..self
+            },
         }
     }
 }
@@ -86,7 +114,7 @@ pub enum GemmOut {
         ld: usize,
         accumulate: bool,
     },
-    /// bf16 planes (the next GEMM's input).
+    /// planes (the next GEMM's input): bf16 hi (+ lo), or the f16 plane alone when hi is NULL.
     Planes(Planes),
 }
 
@@ -145,6 +173,7 @@ pub struct GemmParams {
 const OUT_F32: i32 = 0;
 const OUT_F32_ACC: i32 = 1;
 const OUT_BF16: i32 = 2;
+const OUT_F16: i32 = 3;
 
 /// Which tensor-core instructions run the q4 (group 64) split products: Hopper's warpgroup MMA
 /// (`gemm_q4_wgx_split`, sm_90a only) or the portable `mma.sync` kernels.
@@ -175,6 +204,42 @@ fn wgx_smem_bytes() -> usize {
     WGX_STAGES * stage + 1024 + WGX_STAGES * 16 // + the realignment to 1024 bytes + the mbarriers
 }
 
+/// The half-precision kernel's pipeline (gemm.cu, `WGH_*`): 8 stages of the X tile (128 tokens ×
+/// 64 f16), the codes of 256 W rows and their (scale, bias); 2 consumer warpgroups and a producer.
+const WGH_STAGES: usize = 8;
+const WGH_BN: usize = 256;
+fn wgh_smem_bytes() -> usize {
+    let stage = BM * BK * 2 + WGH_BN * 32 + WGH_BN * 8;
+    WGH_STAGES * stage + 1024 + WGH_STAGES * 16
+}
+
+/// `precision` where `w` and the tensor cores can run it: half needs q4 in groups of 64 on wgmma,
+/// and becomes split elsewhere (the same accuracy class or better).
+pub fn runnable(precision: Precision, cores: TensorCores, w: &DevMatrix) -> Precision {
+    match precision {
+        Precision::Half
+            if !(w.format == Format::Q4 && w.group_size == BK && cores == TensorCores::Wgmma) =>
+        {
+            Precision::Split
+        }
+        p => p,
+    }
+}
+
+/// The precision `policy` calls for `product` over `w`, as this device can run it.
+pub fn precision_for(
+    gpu: &Gpu,
+    policy: &PromptPrecision,
+    product: Product,
+    w: &DevMatrix,
+) -> Precision {
+    runnable(
+        policy.resolve(product, w.format),
+        TensorCores::for_gpu(gpu),
+        w,
+    )
+}
+
 /// Dynamic shared memory of one GEMM block (the `mma.sync` kernels).
 pub fn smem_bytes(format: Format, precision: Precision) -> usize {
     let split = precision == Precision::Split;
@@ -203,14 +268,28 @@ pub fn gemm_on(gpu: &Gpu, g: &Gemm, cores: TensorCores) -> Result<Launch> {
         k.is_multiple_of(BK),
         "gemm: K = {k} must be a multiple of {BK}"
     );
+    let half = g.precision == Precision::Half;
     ensure!(
-        g.a.ld >= k && !g.a.hi.is_null(),
+        g.a.ld >= k,
         "gemm: activations of row stride {} for K = {k}",
         g.a.ld
     );
     ensure!(
-        g.precision == Precision::Fast || !g.a.lo.is_null(),
+        !(if half { g.a.f16 } else { g.a.hi }).is_null(),
+        "gemm: no {} activation plane for the {:?} product over the {}×{k} matrix",
+        if half { "f16" } else { "bf16" },
+        g.precision,
+        w.rows
+    );
+    ensure!(
+        g.precision != Precision::Split || !g.a.lo.is_null(),
         "gemm: split precision needs the activations' lo plane"
+    );
+    ensure!(
+        !half || runnable(Precision::Half, cores, w) == Precision::Half,
+        "gemm: half precision needs q4 weights in groups of {BK} and wgmma (sm_90a), not {:?} in groups of {}",
+        w.format,
+        w.group_size
     );
     ensure!(
         g.n > 0 && g.m > 0,
@@ -252,6 +331,7 @@ pub fn gemm_on(gpu: &Gpu, g: &Gemm, cores: TensorCores) -> Result<Launch> {
             ld,
             if accumulate { OUT_F32_ACC } else { OUT_F32 },
         ),
+        GemmOut::Planes(p) if p.hi.is_null() => (p.f16, DPtr::NULL, p.ld, OUT_F16),
         GemmOut::Planes(p) => (p.hi, p.lo, p.ld, OUT_BF16),
     };
     ensure!(
@@ -267,7 +347,7 @@ pub fn gemm_on(gpu: &Gpu, g: &Gemm, cores: TensorCores) -> Result<Launch> {
         );
     }
     let p = GemmParams {
-        a_hi: g.a.hi.0,
+        a_hi: if half { g.a.f16.0 } else { g.a.hi.0 },
         a_lo: if g.precision == Precision::Split {
             g.a.lo.0
         } else {
@@ -304,7 +384,11 @@ pub fn gemm_on(gpu: &Gpu, g: &Gemm, cores: TensorCores) -> Result<Launch> {
     let q4_groups_of_bk = w.format == Format::Q4 && w.group_size == BK;
     let split = g.precision == Precision::Split;
     let mut grid = (g.n.div_ceil(BN) as u32, grid_y as u32, 1);
-    let (name, threads, smem) = if q4_groups_of_bk && split && cores == TensorCores::Wgmma {
+    let (name, threads, smem) = if half {
+        let tiles = g.n.div_ceil(WGH_BN) * grid_y;
+        grid = (tiles.min(gpu.sm_count.max(1) as usize) as u32, 1, 1);
+        ("gemm_q4_wgh".to_string(), WGX_THREADS, wgh_smem_bytes())
+    } else if q4_groups_of_bk && split && cores == TensorCores::Wgmma {
         // persistent: one block per SM, each looping over tiles (the grouped tile count is read on
         // the device)
         let tiles = g.n.div_ceil(BN) * grid_y;
@@ -343,6 +427,7 @@ pub struct RowNormParams {
     pub d: i32,
     pub eps: f32,
     pub pad: i32,
+    pub f16: u64,
 }
 
 /// `planes[t] = rmsnorm₀(x[t])·gain` (gain = 1 + w), or a plain f32 → planes conversion without a
@@ -370,6 +455,7 @@ pub fn rmsnorm_planes(
         d: d as i32,
         eps,
         pad: 0,
+        f16: out.f16.0,
     };
     Launch::new(gpu, "gemm_rmsnorm_planes", (t as u32, 1, 1), 256, 0, &p)
 }

@@ -128,13 +128,15 @@ impl MoePrefillScratch {
             tile_count: at("moe.tile_count")?,
             sorted_token: at("moe.sorted_token")?,
             slot_of: at("moe.slot_of")?,
-            act: Planes::new(at("moe.act.hi")?, at("moe.act.lo")?, i),
+            // read by the down product only: f16 shares the lo plane's bytes (gemm::Planes)
+            act: Planes::new(at("moe.act.hi")?, at("moe.act.lo")?, i).with_f16(at("moe.act.lo")?),
             y_slot: at("moe.y_slot")?,
             shared_act: Planes::new(
                 at("moe.shared_act.hi")?,
                 at("moe.shared_act.lo")?,
                 is.max(1),
-            ),
+            )
+            .with_f16(at("moe.shared_act.lo")?),
         })
     }
 }
@@ -230,8 +232,8 @@ pub fn prefill_moe(
     );
     let slots = t * a;
     let tiles = max_tiles(t, e, a);
-    let up_prec = policy.resolve(Product::ExpertGateUp, w.gate_up.format);
-    let down_prec = policy.resolve(Product::ExpertDown, w.down.format);
+    let up_prec = gemm::precision_for(gpu, policy, Product::ExpertGateUp, &w.gate_up);
+    let down_prec = gemm::precision_for(gpu, policy, Product::ExpertDown, &w.down);
     let mut out = Vec::with_capacity(9);
 
     // 1. router logits [T, E]
@@ -250,7 +252,7 @@ pub fn prefill_moe(
                 accumulate: false,
             },
             row_scale: None,
-            precision: policy.resolve(Product::Router, w.router.format),
+            precision: gemm::precision_for(gpu, policy, Product::Router, &w.router),
             grouped: None,
         },
     )?);
@@ -367,8 +369,8 @@ pub fn prefill_moe(
             gate_up.rows == 2 * is && down.rows == d,
             "prefill_moe: shared expert shapes"
         );
-        let sup = policy.resolve(Product::Shared, gate_up.format);
-        let sdown = policy.resolve(Product::Shared, down.format);
+        let sup = gemm::precision_for(gpu, policy, Product::Shared, gate_up);
+        let sdown = gemm::precision_for(gpu, policy, Product::Shared, down);
         out.push(gemm::gemm(
             gpu,
             &Gemm {
@@ -437,8 +439,8 @@ pub fn prefill_mlp(
     act: Planes,
     policy: &PromptPrecision,
 ) -> Result<Vec<Launch>> {
-    let up_prec = policy.resolve(Product::Shared, w.gate_up.format);
-    let down_prec = policy.resolve(Product::Shared, w.down.format);
+    let up_prec = gemm::precision_for(gpu, policy, Product::Shared, &w.gate_up);
+    let down_prec = gemm::precision_for(gpu, policy, Product::Shared, &w.down);
     let i = w.gate_up.rows / 2;
     let d = w.down.rows;
     Ok(vec![

@@ -63,7 +63,7 @@ impl Default for PrefillOptions {
     }
 }
 
-/// Rows `row..` of planes with `ld` columns (lo stays NULL when absent).
+/// Rows `row..` of planes with `ld` columns (absent planes stay NULL).
 fn plane_rows(p: Planes, row: usize) -> Planes {
     let at = |q: DPtr| {
         if q.is_null() {
@@ -72,12 +72,13 @@ fn plane_rows(p: Planes, row: usize) -> Planes {
             q.offset(row * p.ld * 2)
         }
     };
-    Planes::new(at(p.hi), at(p.lo), p.ld)
+    Planes::new(at(p.hi), at(p.lo), p.ld).with_f16(at(p.f16))
 }
 
-/// The precision the options call for `product` over `w` (without a choice: by its format).
-fn precision_of(w: &DevMatrix, product: Product, opts: &PrefillOptions) -> Precision {
-    opts.precision.resolve(product, w.format)
+/// The precision the options call for `product` over `w` (without a choice: by its format), as
+/// this device can run it (`gemm::runnable`).
+fn precision_of(gpu: &Gpu, w: &DevMatrix, product: Product, opts: &PrefillOptions) -> Precision {
+    gemm::precision_for(gpu, &opts.precision, product, w)
 }
 
 /// `out (+)= x̂·Wᵀ` with the precision the options call for `product` (or the matrix format).
@@ -92,7 +93,7 @@ fn project(
     accumulate: bool,
     opts: &PrefillOptions,
 ) -> Result<Launch> {
-    let precision = precision_of(w, product, opts);
+    let precision = precision_of(gpu, w, product, opts);
     gemm::gemm(
         gpu,
         &Gemm {
@@ -225,7 +226,12 @@ pub fn prefill_mixer(
                         aqk: s.dn_aqk,
                         gcum: s.dn_gcum,
                         o: s.dn_o,
-                        y: s.dn_y,
+                        y: s.dn_y.for_precision(precision_of(
+                            gpu,
+                            &w.out_proj,
+                            Product::MixerOut,
+                            opts,
+                        )),
                     },
                 )?);
                 out.push(project(
@@ -248,6 +254,7 @@ pub fn prefill_mixer(
                     kv,
                 },
             ) => {
+                let o_prec = precision_of(gpu, &w.o_proj, Product::MixerOut, opts);
                 for (m, dst) in w.in_proj.iter().zip([s.at_qg, s.at_k, s.at_v]) {
                     out.push(project(gpu, xn, n, m, Product::MixerIn, dst, false, opts)?);
                 }
@@ -267,10 +274,13 @@ pub fn prefill_mixer(
                         v_cache,
                         max_ctx,
                         kv,
-                        // the queries' lo plane only when o_proj runs split (attention_prefill.rs)
-                        q: s.at_q
-                            .for_precision(precision_of(&w.o_proj, Product::MixerOut, opts)),
-                        y: s.at_y,
+                        // the queries' lo plane only when o_proj runs split or half
+                        // (attention_prefill.rs: flash over an f32 cache then keeps ≈ f32)
+                        q: s.at_q.for_precision(match o_prec {
+                            Precision::Half => Precision::Split,
+                            p => p,
+                        }),
+                        y: s.at_y.for_precision(o_prec),
                     },
                 )?);
                 out.push(project(

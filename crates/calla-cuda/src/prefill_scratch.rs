@@ -106,6 +106,8 @@ fn chunk_regions(spec: &ModelSpec, t: usize) -> Vec<Region> {
         Region::new("tokens", t * 4, ALWAYS),
         Region::new("xn.hi", t * d * 2, ALWAYS),
         Region::new("xn.lo", t * d * 2, ALWAYS),
+        // x̂ for half-precision products (the router reads hi + lo, so it cannot share)
+        Region::new("xn.f16", t * d * 2, ALWAYS),
     ];
     if let calla_model::FeedForwardSpec::Dense { intermediate } = &spec.feed_forward {
         let n = t * intermediate * 2;
@@ -193,12 +195,11 @@ impl PrefillScratch {
         // they are read, as they were when each had its own bytes).
         let base = arena.alloc_zeroed(plan.bytes)?;
         let at = |name: &str| plan.offset(name).map(|o| base.offset(o));
+        // Planes read by one consumer only: the f16 plane shares the lo plane's bytes (the
+        // producer writes what that consumer reads, `Planes::for_precision`).
         let planes = |name: &str, ld: usize| -> Result<Planes> {
-            Ok(Planes::new(
-                at(&format!("{name}.hi"))?,
-                at(&format!("{name}.lo"))?,
-                ld,
-            ))
+            let lo = at(&format!("{name}.lo"))?;
+            Ok(Planes::new(at(&format!("{name}.hi"))?, lo, ld).with_f16(lo))
         };
         let (d, hq, dh) = (spec.hidden_size, spec.num_attention_heads, spec.head_dim);
         let mlp_act = match &spec.feed_forward {
@@ -215,7 +216,7 @@ impl PrefillScratch {
             max_tokens,
             mixer_tokens,
             tokens: at("tokens")?,
-            xn: planes("xn", d)?,
+            xn: Planes::new(at("xn.hi")?, at("xn.lo")?, d).with_f16(at("xn.f16")?),
             dn_qkv: at("dn.qkv")?,
             dn_z: at("dn.z")?,
             dn_b: at("dn.b")?,
@@ -311,7 +312,7 @@ mod tests {
         // the MoE's down output (T·A·D f32) is the largest buffer; the plan is barely above it
         // plus the always-live x̂ planes
         let y_slot = t * 8 * 2048 * 4;
-        let xn = 2 * t * 2048 * 2;
+        let xn = 3 * t * 2048 * 2;
         assert!(plan.bytes >= y_slot + xn);
         assert!(
             plan.bytes < y_slot + xn + t * 8 * 512 * 4 + (8 << 20),
@@ -340,7 +341,7 @@ mod tests {
             let tm = mixer_tokens_for(&spec, t);
             let plan = scratch_plan(&spec, t, tm);
             assert!(plan.is_consistent());
-            for keep in ["moe.counts", "xn.hi", "xn.lo", "tokens"] {
+            for keep in ["moe.counts", "xn.hi", "xn.lo", "xn.f16", "tokens"] {
                 let i = plan.regions.iter().position(|r| r.name == keep).unwrap();
                 let (a, ea) = (plan.offsets[i], plan.offsets[i] + plan.regions[i].bytes);
                 for (j, r) in plan.regions.iter().enumerate() {

@@ -59,6 +59,7 @@ pub struct PromptPrecision {
 
 const S: Option<Precision> = Some(Precision::Split);
 const F: Option<Precision> = Some(Precision::Fast);
+const H: Option<Precision> = Some(Precision::Half);
 
 impl PromptPrecision {
     /// The same choice for every product.
@@ -75,6 +76,9 @@ impl PromptPrecision {
     pub const SPLIT: PromptPrecision = PromptPrecision::uniform(S);
     /// bf16 activations everywhere (misses the parity tolerance at the real shape).
     pub const FAST: PromptPrecision = PromptPrecision::uniform(F);
+    /// f16 activations × f16-dequantised q4 weights everywhere the device runs it (q4 in groups of
+    /// 64 on sm_90a), split elsewhere; the router split.
+    pub const HALF: PromptPrecision = PromptPrecision::uniform(H);
     /// By each matrix's format.
     pub const AUTO: PromptPrecision = PromptPrecision::uniform(None);
     // The partial presets run their fast groups "auto": fast over bf16 and quantised weights (every
@@ -176,13 +180,18 @@ impl From<Precision> for PromptPrecision {
 }
 
 /// The named policies, with what each runs fast.
-pub const PRESETS: [(&str, PromptPrecision, &str); 7] = [
+pub const PRESETS: [(&str, PromptPrecision, &str); 8] = [
     (
         "split",
         PromptPrecision::SPLIT,
         "≈ f32 everywhere (default)",
     ),
     ("fast", PromptPrecision::FAST, "bf16 activations everywhere"),
+    (
+        "half",
+        PromptPrecision::HALF,
+        "f16 activations × f16 q4 weights (sm_90a), split elsewhere",
+    ),
     (
         "auto",
         PromptPrecision::AUTO,
@@ -225,6 +234,7 @@ fn choice_name(c: Option<Precision>) -> &'static str {
     match c {
         Some(Precision::Fast) => "fast",
         Some(Precision::Split) => "split",
+        Some(Precision::Half) => "half",
         None => "auto",
     }
 }
@@ -251,7 +261,7 @@ impl FromStr for PromptPrecision {
                             let names: Vec<&str> = PRESETS.iter().map(|(n, _, _)| *n).collect();
                             format!(
                                 "unknown prompt precision {item:?}: expected one of {} or \
-                                 GROUP=fast|split|auto with GROUP one of {}",
+                                 GROUP=fast|split|half|auto with GROUP one of {}",
                                 names.join(", "),
                                 GROUPS.join(", ")
                             )
@@ -261,9 +271,12 @@ impl FromStr for PromptPrecision {
                     let choice = match value.trim() {
                         "fast" => F,
                         "split" => S,
+                        "half" => H,
                         "auto" => None,
                         other => {
-                            return Err(format!("{group}={other:?}: expected fast, split or auto"))
+                            return Err(format!(
+                                "{group}={other:?}: expected fast, split, half or auto"
+                            ))
                         }
                     };
                     let slots = policy.slot(group.trim()).ok_or_else(|| {
@@ -464,11 +477,15 @@ mod tests {
             e.contains("mixd") && e.contains("mixed") && e.contains("experts-gate-up"),
             "{e}"
         );
-        let e = "experts=half".parse::<PromptPrecision>().unwrap_err();
+        let e = "experts=quarter".parse::<PromptPrecision>().unwrap_err();
         assert!(
-            e.contains("half") && e.contains("fast, split or auto"),
+            e.contains("quarter") && e.contains("fast, split, half or auto"),
             "{e}"
         );
+        // half is a group choice too, and its preset prints back
+        let h = p("split,experts=half");
+        assert_eq!((h.expert_gate_up, h.expert_down, h.mixer_in), (H, H, S));
+        assert_eq!(p(&h.to_string()), h);
         let e = "router=fast".parse::<PromptPrecision>().unwrap_err();
         assert!(e.contains("router") && e.contains("shared"), "{e}");
         assert!("".parse::<PromptPrecision>().is_err());

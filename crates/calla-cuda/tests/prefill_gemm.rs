@@ -75,7 +75,22 @@ fn tolerance(p: Precision) -> Tol {
             rtol: 1e-4,
             rms_rel: 3e-5,
         },
+        // each operand rounded to f16 (11 bits): ~2e-4 rms per product
+        Precision::Half => Tol {
+            atol_rms: 5e-3,
+            rtol: 5e-3,
+            rms_rel: 8e-4,
+        },
     }
+}
+
+/// The precisions `gemm` runs over `fmt` here: half only for q4 on wgmma.
+fn precisions(gpu: &Gpu, fmt: WFmt) -> Vec<Precision> {
+    let mut p = vec![Precision::Fast, Precision::Split];
+    if fmt == WFmt::Q4 && TensorCores::for_gpu(gpu) == TensorCores::Wgmma {
+        p.push(Precision::Half);
+    }
+    p
 }
 
 #[test]
@@ -100,7 +115,7 @@ fn every_format_and_precision_matches_the_reference_at_odd_sizes() {
                 &gpu,
                 &[gemm::rmsnorm_planes(&gpu, xd, None, 0.0, t, k, planes).unwrap()],
             );
-            for prec in [Precision::Fast, Precision::Split] {
+            for prec in precisions(&gpu, fmt) {
                 let got = plain_product(
                     &gpu,
                     &mut arena,
@@ -162,8 +177,9 @@ fn epilogues_accumulate_swiglu_gather_and_row_scale() {
             );
             let gd = arena.upload(&gather).unwrap();
             let sd = upload_f32(&mut arena, &scale);
-            for prec in [Precision::Fast, Precision::Split] {
-                let out = alloc_planes(&mut arena, t * i, i);
+            for prec in precisions(&gpu, fmt) {
+                // what a consumer of `prec` reads (half: the f16 plane alone)
+                let out = alloc_planes(&mut arena, t * i, i).for_precision(prec);
                 let g = Gemm {
                     a: planes.for_precision(prec),
                     gather: Some(gd),
@@ -177,7 +193,11 @@ fn epilogues_accumulate_swiglu_gather_and_row_scale() {
                     grouped: None,
                 };
                 run(&gpu, &[gemm::gemm(&gpu, &g).unwrap()]);
-                let got = download_planes(&gpu, out, t * i);
+                let got = if prec == Precision::Half {
+                    download_f16(&gpu, out, t * i)
+                } else {
+                    download_planes(&gpu, out, t * i)
+                };
                 let tol = tolerance(prec);
                 ok &= check(
                     &format!("swiglu+gather+scale {fmt:?} {prec:?} T={t}"),
@@ -319,7 +339,7 @@ fn real_layer_shapes_q4_and_bf16() {
             &gpu,
             &[gemm::rmsnorm_planes(&gpu, xd, None, 0.0, t, k, planes).unwrap()],
         );
-        for prec in [Precision::Fast, Precision::Split] {
+        for prec in precisions(&gpu, fmt) {
             let got = plain_product(
                 &gpu,
                 &mut arena,
@@ -343,7 +363,8 @@ fn real_layer_shapes_q4_and_bf16() {
 }
 
 /// q4 in groups of 64, split precision, on Hopper's warpgroup MMA (`gemm_q4_wgx_split`) and on the
-/// portable mma.sync kernel (`gemm_q4_splitx`), each against the f64 reference, at sizes that leave partial tiles in M, N and K-stages
+/// portable mma.sync kernel (`gemm_q4_splitx`), and in half precision (`gemm_q4_wgh`, f16 operands),
+/// each against the f64 reference, at sizes that leave partial tiles in M, N and K-stages
 /// (K = 64: one k-tile; 192: fewer k-tiles than pipeline stages + 1) and at real layer shapes.
 #[test]
 #[ignore = "needs CUDA"]
@@ -362,6 +383,7 @@ fn q4_on_wgmma_and_mma_sync_match_the_reference() {
         (72, 128, 7),
         (2048, 4096, 65),
         (8192, 2048, 300),
+        (600, 512, 129), // half: a partial 256-row N tile after two full ones
     ] {
         let mut arena = Arena::new(&gpu, 256 << 20);
         let m = matrix(&mut rng, n, k, 1.0 / (k as f32).sqrt(), WFmt::Q4);
@@ -375,8 +397,12 @@ fn q4_on_wgmma_and_mma_sync_match_the_reference() {
             &gpu,
             &[gemm::rmsnorm_planes(&gpu, xd, None, 0.0, t, k, planes).unwrap()],
         );
-        for prec in [Precision::Split] {
-            for cores in [TensorCores::Wgmma, TensorCores::MmaSync] {
+        for (prec, cores) in [
+            (Precision::Split, TensorCores::Wgmma),
+            (Precision::Split, TensorCores::MmaSync),
+            (Precision::Half, TensorCores::Wgmma),
+        ] {
+            {
                 let got = plain_product(&gpu, &mut arena, planes, t, &dev, n, prec, cores);
                 ok &= check(
                     &format!("q4 {cores:?} {prec:?} T={t} [{n}x{k}]"),

@@ -14,12 +14,13 @@ use calla_cuda::pool::Arena;
 use calla_cuda::prefill_layer::{
     prefill_embed, prefill_layer, LayerState, PrefillOptions, PrefillScratch, PromptRunner,
 };
+use calla_cuda::prompt_precision::PromptPrecision;
 use calla_cuda::weights::upload_model;
 use calla_cuda::KvDtype;
 use calla_model::{Family, LayerKind};
 use prefill_support::*;
 
-fn run_case(label: &str, fmt: WFmt, kv: KvDtype, tol: Tol) -> bool {
+fn run_case(label: &str, fmt: WFmt, kv: KvDtype, precision: PromptPrecision, tol: Tol) -> bool {
     let Some(gpu) = gpu() else { return true };
     let spec = tiny_spec(Family::Qwen35Moe, 1);
     let weights = random_weights(&spec, fmt, 0.5, 51);
@@ -82,7 +83,7 @@ fn run_case(label: &str, fmt: WFmt, kv: KvDtype, tol: Tol) -> bool {
                 h,
                 p0,
                 t,
-                &PrefillOptions::default(),
+                &PrefillOptions { precision },
             )
             .unwrap();
             run(&gpu, &launches);
@@ -102,13 +103,33 @@ fn run_case(label: &str, fmt: WFmt, kv: KvDtype, tol: Tol) -> bool {
 #[test]
 #[ignore = "needs CUDA"]
 fn four_layers_two_chunks_f32_and_q4() {
-    let ok = run_case("tiny f32 weights, f32 KV", WFmt::F32, KvDtype::F32, SPLIT)
-        & run_case(
-            "tiny q4 weights (fast), bf16 KV",
-            WFmt::Q4,
-            KvDtype::Bf16,
-            FAST,
-        );
+    let auto = PromptPrecision::AUTO;
+    let half = PromptPrecision::HALF;
+    let ok = run_case(
+        "tiny f32 weights, f32 KV",
+        WFmt::F32,
+        KvDtype::F32,
+        auto,
+        SPLIT,
+    ) & run_case(
+        "tiny q4 weights (fast), bf16 KV",
+        WFmt::Q4,
+        KvDtype::Bf16,
+        auto,
+        FAST,
+    ) & run_case(
+        "tiny q4 weights (half), f32 KV",
+        WFmt::Q4,
+        KvDtype::F32,
+        half,
+        HALF,
+    ) & run_case(
+        "tiny q4 weights (half), bf16 KV",
+        WFmt::Q4,
+        KvDtype::Bf16,
+        half,
+        FAST,
+    );
     assert!(ok, "prefill layers out of tolerance (see above)");
 }
 

@@ -196,6 +196,14 @@ fn fixture_dims_moe_and_dense() {
         &[1, 65, 1000],
     ) & run_case("tiny MoE q4 fast", &tiny, WFmt::Q4, auto, FAST, &[7, 150])
         & run_case(
+            "tiny MoE q4 half",
+            &tiny,
+            WFmt::Q4,
+            PromptPrecision::HALF,
+            HALF,
+            &[1, 65, 1000],
+        )
+        & run_case(
             "tiny qwen3-next MoE f32",
             &next,
             WFmt::F32,
@@ -234,6 +242,13 @@ fn real_dims_q4() {
         WFmt::Q4,
         PromptPrecision::AUTO,
         FAST,
+        &[65, 1000],
+    ) & run_case(
+        "real MoE q4 half",
+        &spec,
+        WFmt::Q4,
+        PromptPrecision::HALF,
+        HALF,
         &[65, 1000],
     );
     assert!(ok, "MoE prefill out of tolerance (see above)");

@@ -76,12 +76,23 @@ pub fn download_planes(gpu: &Gpu, p: Planes, n: usize) -> Vec<f32> {
 }
 
 /// Planes allocated for `n` elements (both hi and lo).
+/// bf16 hi and lo planes and an f16 plane of its own.
 pub fn alloc_planes(arena: &mut Arena, n: usize, ld: usize) -> Planes {
     Planes::new(
         arena.alloc_zeroed(n * 2).unwrap(),
         arena.alloc_zeroed(n * 2).unwrap(),
         ld,
     )
+    .with_f16(arena.alloc_zeroed(n * 2).unwrap())
+}
+
+/// The f16 plane as f32.
+pub fn download_f16(gpu: &Gpu, p: Planes, n: usize) -> Vec<f32> {
+    let mut h = vec![0u16; n];
+    gpu.dtoh(p.f16, &mut h).unwrap();
+    h.iter()
+        .map(|b| half::f16::from_bits(*b).to_f32())
+        .collect()
 }
 
 pub fn upload_matrix(gpu: &Arc<Gpu>, arena: &mut Arena, name: &str, m: &Matrix) -> DevMatrix {
@@ -121,6 +132,13 @@ pub const FAST: Tol = Tol {
     atol_rms: 0.25,
     rtol: 0.05,
     rms_rel: 1.5e-2,
+};
+/// f16 activations × f16 weights (half precision): each operand rounded to 11 bits, ~8× less than
+/// bf16, so the bounds sit between split's and fast's.
+pub const HALF: Tol = Tol {
+    atol_rms: 0.05,
+    rtol: 0.01,
+    rms_rel: 2.5e-3,
 };
 /// Exact up to float rounding of a different summation order.
 pub const EXACTISH: Tol = Tol {
