@@ -9,7 +9,7 @@
 use anyhow::{ensure, Result};
 use calla_model::{FeedForwardSpec, ModelSpec};
 
-use crate::gemm::{self, Gemm, GemmOut, Grouped, Planes};
+use crate::gemm::{self, Gemm, GemmOut, Grouped, Planes, Precision};
 use crate::gpu::{DPtr, Gpu, Launch};
 use crate::pool::{Region, ScratchPlan, ALWAYS};
 use crate::prompt_precision::{Product, PromptPrecision};
@@ -195,7 +195,7 @@ struct CombineParams {
     t: i32,
     a: i32,
     d: i32,
-    pad: i32,
+    y_f16: i32,
 }
 
 /// `h += MoE(x̂)` for T tokens. `xn` is x̂ = rmsnorm₀(h)·(1 + post_attention_layernorm) as planes
@@ -229,6 +229,10 @@ pub fn prefill_moe(
     ensure!(
         w.router.rows == e && w.gate_up.rows == e * 2 * i && w.down.rows == e * d,
         "prefill_moe: expert shapes"
+    );
+    ensure!(
+        d.is_multiple_of(4),
+        "prefill_moe: hidden size {d} is not a multiple of 4 (the combine reads 4 columns at a time)"
     );
     let slots = t * a;
     let tiles = max_tiles(t, e, a);
@@ -348,10 +352,15 @@ pub fn prefill_moe(
             w: &w.down,
             n: d,
             swiglu: false,
-            out: GemmOut::F32 {
-                ptr: s.y_slot,
-                ld: d,
-                accumulate: false,
+            // half: the slot rows in f16 too (half the bytes written here and read by the combine)
+            out: if down_prec == Precision::Half {
+                GemmOut::Planes(Planes::new(DPtr::NULL, DPtr::NULL, d).with_f16(s.y_slot))
+            } else {
+                GemmOut::F32 {
+                    ptr: s.y_slot,
+                    ld: d,
+                    accumulate: false,
+                }
             },
             row_scale: None,
             precision: down_prec,
@@ -415,7 +424,7 @@ pub fn prefill_moe(
         t: t as i32,
         a: a as i32,
         d: d as i32,
-        pad: 0,
+        y_f16: (down_prec == Precision::Half) as i32,
     };
     out.push(Launch::new(
         gpu,

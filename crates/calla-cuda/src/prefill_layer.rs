@@ -186,6 +186,14 @@ pub fn prefill_mixer(
 ) -> Result<Vec<Launch>> {
     let l = layer_of(model, layer, s, t)?;
     let d = spec.hidden_size;
+    // x̂ feeds only the in-projections here: when all run half, only the f16 plane is written
+    let in_proj: &[DevMatrix] = match &l.mixer {
+        DevMixer::DeltaNet(w) => &w.in_proj,
+        DevMixer::Attention(w) => &w.in_proj,
+    };
+    let all_half = in_proj
+        .iter()
+        .all(|m| precision_of(gpu, m, Product::MixerIn, opts) == Precision::Half);
     let mut out = vec![gemm::rmsnorm_planes(
         gpu,
         h,
@@ -193,7 +201,11 @@ pub fn prefill_mixer(
         spec.rms_norm_eps,
         t,
         d,
-        s.xn,
+        if all_half {
+            s.xn.for_precision(Precision::Half)
+        } else {
+            s.xn
+        },
     )?];
     for (r0, n) in mixer_pieces(t, s.mixer_tokens) {
         let xn = plane_rows(s.xn, r0);
