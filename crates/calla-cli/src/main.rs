@@ -41,6 +41,11 @@ fn main() -> std::process::ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    // An empty CALLA_PROMPT_PRECISION means "unset" to the engine (PromptPrecision::from_env);
+    // clap would reject it as an empty value, so it goes before parsing (still single-threaded).
+    if std::env::var_os(calla_cuda::prompt_precision::ENV).is_some_and(|v| v.is_empty()) {
+        std::env::remove_var(calla_cuda::prompt_precision::ENV);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(args),

@@ -211,3 +211,31 @@ fn bad_input_is_a_clean_error() {
         "{stderr}"
     );
 }
+
+/// CALLA_PROMPT_PRECISION set but empty means unset, as the engine reads it (the parity script
+/// passes the variable through); a bad value is still a clean error that names it.
+#[test]
+fn an_empty_prompt_precision_variable_is_unset() {
+    let model = fixtures().join("models").join(FIXTURE);
+    let run = |value: &str| {
+        Command::new(env!("CARGO_BIN_EXE_calla"))
+            .args(["generate", "--model"])
+            .arg(&model)
+            .args(["--prompt-ids", "1,2", "--max-tokens", "2"])
+            .env("CALLA_PROMPT_PRECISION", value)
+            .output()
+            .expect("run calla")
+    };
+    let out = run("");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run("quarter");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("quarter") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+}
