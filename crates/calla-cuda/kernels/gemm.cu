@@ -71,6 +71,36 @@ __device__ __forceinline__ u32 q4_code_pair_bf16(u32 word, int e) {
 
 // Store one accumulator fragment: c0, c1 = (row ma, columns col, col + 1), c2, c3 = (row ma + 8,
 // same columns), through the launch's epilogue (row scale, SwiGLU pair, f32 / f32 += / planes).
+// A persistent kernel's tile (M rows m0..m_end of W rows from w_base, N columns from n0), tile t of
+// the (M tile, N tile) space, N fastest; grouped GEMMs take their M tiles from the device-built map.
+// (w_base is left as it was for ungrouped GEMMs: 0.)
+__device__ __forceinline__ int gemm_m_tiles(const GemmParams& p) {
+    return p.tile_map ? *(const int*)p.tile_count : (p.M + GEMM_BM - 1) / GEMM_BM;
+}
+__device__ __forceinline__ void gemm_locate(const GemmParams& p, int n_tiles, int bn, int t, int& m0, int& m_end,
+                                            int& n0, i64& w_base) {
+    const int mt = t / n_tiles;
+    n0 = (t - mt * n_tiles) * bn;
+    if (p.tile_map) {
+        const int4 e = ((const int4*)p.tile_map)[mt];
+        m0 = e.y;
+        m_end = min(e.z, e.y + GEMM_BM);
+        w_base = (i64)e.x * p.expert_rows;
+    } else {
+        m0 = mt * GEMM_BM;
+        m_end = min(p.M, m0 + GEMM_BM);
+    }
+}
+
+// One output value through the launch's epilogue, for an output mode known at compile time.
+template <int MODE>
+__device__ __forceinline__ void gemm_store(const GemmParams& p, int m, int n, float v) {
+    const i64 idx = (i64)m * p.ldo + n;
+    if (MODE == GEMM_OUT_F32 || MODE == GEMM_OUT_F32_ACC) ((float*)p.out)[idx] = v;
+    else if (MODE == GEMM_OUT_F16) ((u16*)p.out)[idx] = f32_to_f16(v);
+    else store_planes((u16*)p.out, (u16*)p.out_lo, idx, v);
+}
+
 // One output value through the launch's epilogue: row scale, then f32 / f32 += / bf16 planes / f16.
 __device__ __forceinline__ void gemm_emit(const GemmParams& p, int m, int n, float v) {
     if (p.row_scale) v *= ((const float*)p.row_scale)[m];
@@ -422,12 +452,7 @@ __device__ __forceinline__ void wgx_epilogue(const GemmParams& p, int ma, int m_
     const int mb = ma + 8;
     const float* scale = (const float*)p.row_scale;
     const float sa = scale && ma < m_end ? scale[ma] : 1.0f, sb = scale && mb < m_end ? scale[mb] : 1.0f;
-    auto store = [&](int m, int n, float v) {
-        const i64 idx = (i64)m * p.ldo + n;
-        if (MODE == GEMM_OUT_F32 || MODE == GEMM_OUT_F32_ACC) ((float*)p.out)[idx] = v;
-        else if (MODE == GEMM_OUT_F16) ((u16*)p.out)[idx] = f32_to_f16(v);
-        else store_planes((u16*)p.out, (u16*)p.out_lo, idx, v);
-    };
+    auto store = [&](int m, int n, float v) { gemm_store<MODE>(p, m, n, v); };
     if (p.swiglu) {
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -483,23 +508,10 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
     // fastest (as the grid of the other kernels); the pipeline runs on across tile boundaries, so one
     // tile's epilogue overlaps the next tile's first copies.
     const int n_tiles = (p.N + GEMM_BN - 1) / GEMM_BN;
-    const int m_tiles = p.tile_map ? *(const int*)p.tile_count : (p.M + GEMM_BM - 1) / GEMM_BM;
-    const int tiles = n_tiles * m_tiles;
+    const int tiles = n_tiles * gemm_m_tiles(p);
     int m0 = 0, m_end = 0, n0 = 0;
     i64 w_base = 0;
-    auto locate = [&](int t) {
-        const int mt = t / n_tiles;
-        n0 = (t - mt * n_tiles) * GEMM_BN;
-        if (p.tile_map) {
-            const int4 e = ((const int4*)p.tile_map)[mt];
-            m0 = e.y;
-            m_end = min(e.z, e.y + GEMM_BM);
-            w_base = (i64)e.x * p.expert_rows;
-        } else {
-            m0 = mt * GEMM_BM;
-            m_end = min(p.M, m0 + GEMM_BM);
-        }
-    };
+    auto locate = [&](int t) { gemm_locate(p, n_tiles, GEMM_BN, t, m0, m_end, n0, w_base); };
     const int n_out = p.swiglu ? p.N / 2 : p.N;
     const int KT = p.K / GEMM_BK;
 
@@ -750,12 +762,7 @@ template <int MODE, int SWIGLU>
 __device__ __forceinline__ void wgh_epilogue(const GemmParams& p, float (&acc)[WGH_SLABS][64], int m0, int m_end,
                                              int n0, int rbase, int q, int n_out) {
     constexpr int JB = 2; // token columns j per batch: their row scales and old values load together
-    auto store = [&](int m, int n, float v) {
-        const i64 idx = (i64)m * p.ldo + n;
-        if (MODE == GEMM_OUT_F32 || MODE == GEMM_OUT_F32_ACC) ((float*)p.out)[idx] = v;
-        else if (MODE == GEMM_OUT_F16) ((u16*)p.out)[idx] = f32_to_f16(v);
-        else store_planes((u16*)p.out, (u16*)p.out_lo, idx, v);
-    };
+    auto store = [&](int m, int n, float v) { gemm_store<MODE>(p, m, n, v); };
 #pragma unroll
     for (int sl = 0; sl < WGH_SLABS; ++sl) {
         const int r0 = rbase + 64 * sl;
@@ -815,23 +822,10 @@ __device__ __forceinline__ void gemm_wgh_body(const GemmParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n_tiles = (p.N + WGH_BN - 1) / WGH_BN;
-    const int m_tiles = p.tile_map ? *(const int*)p.tile_count : (p.M + GEMM_BM - 1) / GEMM_BM;
-    const int tiles = n_tiles * m_tiles;
+    const int tiles = n_tiles * gemm_m_tiles(p);
     int m0 = 0, m_end = 0, n0 = 0;
     i64 w_base = 0;
-    auto locate = [&](int t) {
-        const int mt = t / n_tiles;
-        n0 = (t - mt * n_tiles) * WGH_BN;
-        if (p.tile_map) {
-            const int4 e = ((const int4*)p.tile_map)[mt];
-            m0 = e.y;
-            m_end = min(e.z, e.y + GEMM_BM);
-            w_base = (i64)e.x * p.expert_rows;
-        } else {
-            m0 = mt * GEMM_BM;
-            m_end = min(p.M, m0 + GEMM_BM);
-        }
-    };
+    auto locate = [&](int t) { gemm_locate(p, n_tiles, WGH_BN, t, m0, m_end, n0, w_base); };
     const int n_out = p.swiglu ? p.N / 2 : p.N;
     const int KT = p.K / GEMM_BK;
 
