@@ -18,7 +18,10 @@
 //! History: 13.1k (first version) → 18.2k (2 blocks/SM, batched DeltaNet loads) → 22.4k (bf16
 //! magic-number q4 dequant, 16-byte smem reads in the DeltaNet kernels).
 //! Split precision (the default), session 4: 12.1k → 18.9k (q4 split products on wgmma,
-//! `gemm_q4_wgx_split`; the DeltaNet scan's loads overlapped; the chunk solve in four chains), docs/performance.md "Session 4". The
+//! `gemm_q4_wgx_split`; the DeltaNet scan's loads overlapped; the chunk solve in four chains), docs/performance.md "Session 4".
+//! Half precision (`CALLA_PROMPT_PRECISION=half`, session 10): 273.5 ms (29.96k) at 749b20e
+//! (`gemm_q4_wgh`: in_proj_qkv 299 µs per half, MoE gate/up 782, down 475), docs/performance.md
+//! "Session 10". The
 //! mixers run their prompt in two halves here, so a mixer launch's TFLOP/s column is 2× too high.
 
 #[path = "../tests/prefill_support/mod.rs"]
