@@ -697,9 +697,10 @@ extern "C" __global__ void __launch_bounds__(WGX_THREADS, 1) gemm_q4_wgx_split(c
 // Roles swapped against gemm_q4_wgx_split: W is wgmma's A operand, straight from registers (the
 // consumers turn the codes they need into fragments: no converted tile, no producer wait, no
 // per-k-tile fold), X the B operand, K-major in shared memory in the 128-byte swizzle as copied.
-// Block 384 = 3 warpgroups, tile 128 tokens (M) × 128·WGH_SLABS·2 features (N) × 64 k:
-//   consumers (warpgroups 0, 1): warpgroup w owns features 128w.. (WGH_SLABS slabs of 64); per
-//     k-tile WGH_SLABS × 4 wgmma m64n128k16, wait, release the stage.
+// Block 384 = 3 warpgroups, tile 128 tokens (M) × 256 features (N, WGH_BN; gemm.rs has its twin)
+// × 64 k:
+//   consumers (warpgroups 0, 1): warpgroup w owns features 128w.. (WGH_SLABS = 2 slabs of 64); per
+//     k-tile 2 × 4 wgmma m64n128k16, wait, release the stage.
 //   producer (warpgroup 2): X rows (gathered for the MoE), the codes and their (scale, bias) by
 //     cp.async; each thread's copies arrive on the stage's full barrier when they land
 //     (cp.async.mbarrier.arrive.noinc), so it only ever waits for a free stage.
@@ -709,9 +710,7 @@ extern "C" __global__ void __launch_bounds__(WGX_THREADS, 1) gemm_q4_wgx_split(c
 // output column: both sit in one thread (fragment rows g and g + 8).
 // Lab switches (CALLA_NVRTC_DEFINES): WGH_LAB_NO_MMA (no wgmma), WGH_LAB_NO_EPILOGUE (no stores):
 // wrong results; docs/performance.md ("Session 10") has what they measured.
-#ifndef WGH_SLABS
 #define WGH_SLABS 2
-#endif
 #define WGH_STAGES 8
 // Registers per thread after setmaxnreg: the producer's copies need ~96 (fewer spill), the consumers'
 // 128 accumulators and 32 fragment registers the rest. Asking for more than the register file holds
@@ -840,9 +839,7 @@ __device__ __forceinline__ void gemm_wgh_body(const GemmParams& p) {
 
     if (warp >= 8) {
         // ---------------- producer warpgroup
-#if WGH_SLABS == 2
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WGH_PRODUCER_REGS) : "memory");
-#endif
         const int ptid = tid - 256;
         const int ch = ptid & 7; // X: chunk ch of tile rows (ptid >> 3) + 16i, i < 8
         int x_row[8];
@@ -891,9 +888,7 @@ __device__ __forceinline__ void gemm_wgh_body(const GemmParams& p) {
     }
 
     // ---------------- consumer warpgroups
-#if WGH_SLABS == 2
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WGH_CONSUMER_REGS) : "memory");
-#endif
     const int wg = warp >> 2, wi = warp & 3, gq = lane >> 2, q = lane & 3;
     const u32 sel = (u32)q | (4u + q) << 8 | 0x7070u;  // bytes: q of word, 0, q of word >> 4, 0 ... (masked after)
     float acc[WGH_SLABS][64];
