@@ -22,8 +22,9 @@ pub const PROMPT_PRECISION_HELP: &str =
     "CUDA: precision of the batched prompt (prefill) products: \
 split (≈ f32, default), half (f16 activations × f16-rounded q4 weights: ~1.6× faster prefill on \
 Hopper, ~5e-3 in log-probabilities at the real shape; split where it cannot run), fast (bf16 \
-activations everywhere), auto (by weight format: fast for bf16/quantised, split for f32/f16), mixed (routed experts auto, the rest split), experts-up / \
-experts-down (only that routed product auto), ffn (routed + shared experts auto); or presets and \
+activations everywhere), auto (by weight format: fast for bf16/quantised, split for f32/f16), \
+mixed (routed experts auto, the rest split), experts-up / experts-down (only that routed product \
+auto), ffn (routed + shared experts auto); or presets and \
 GROUP=fast|split|half|auto overrides, comma-separated, GROUP one of mixer-in, mixer-out, mixer, \
 experts-gate-up, experts-down, experts, shared (e.g. mixed,shared=auto). The MoE router is always \
 split";

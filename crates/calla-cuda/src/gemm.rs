@@ -88,19 +88,31 @@ impl Planes {
             ..self
         }
     }
-    /// The planes for a consumer of `precision` (drops lo when not needed).
+    /// The planes a consumer of `precision` reads (the others NULL).
     pub fn for_precision(self, precision: Precision) -> Planes {
-        match precision {
-            Precision::Fast => self.hi_only(),
-            Precision::Split => Planes {
-                f16: DPtr::NULL,
-                ..self
-            },
-            Precision::Half => Planes {
-                hi: DPtr::NULL,
-                lo: DPtr::NULL,
-                ..self
-            },
+        self.for_readers([precision])
+    }
+    /// The planes consumers of `precisions` read together, for their producer to write: hi for
+    /// fast and split, lo for split, f16 for half.
+    pub fn for_readers(self, precisions: impl IntoIterator<Item = Precision>) -> Planes {
+        let (mut hi, mut lo, mut f16) = (false, false, false);
+        for p in precisions {
+            match p {
+                Precision::Fast => hi = true,
+                Precision::Split => (hi, lo) = (true, true),
+                Precision::Half => f16 = true,
+            }
+        }
+        debug_assert!(
+            !(lo && f16 && self.lo == self.f16),
+            "lo and f16 share bytes: one reader only"
+        );
+        let keep = |on: bool, q: DPtr| if on { q } else { DPtr::NULL };
+        Planes {
+            hi: keep(hi, self.hi),
+            lo: keep(lo, self.lo),
+            ld: self.ld,
+            f16: keep(f16, self.f16),
         }
     }
 }
@@ -491,4 +503,39 @@ pub fn embed_rows(gpu: &Gpu, table: &DevMatrix, tokens: DPtr, t: usize, h: DPtr)
         0,
         &p,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn producers_write_exactly_the_planes_their_readers_read() {
+        let all = Planes::new(DPtr(0x1000), DPtr(0x2000), 64).with_f16(DPtr(0x3000));
+        let kept = |p: Planes| (!p.hi.is_null(), !p.lo.is_null(), !p.f16.is_null());
+        assert_eq!(
+            kept(all.for_precision(Precision::Fast)),
+            (true, false, false)
+        );
+        assert_eq!(
+            kept(all.for_precision(Precision::Split)),
+            (true, true, false)
+        );
+        assert_eq!(
+            kept(all.for_precision(Precision::Half)),
+            (false, false, true)
+        );
+        // the MoE's x̂ in half: the router and the shared gate split, the experts half
+        let both = all.for_readers([Precision::Split, Precision::Half, Precision::Half]);
+        assert_eq!(kept(both), (true, true, true));
+        assert_eq!(
+            (both.hi.0, both.lo.0, both.f16.0, both.ld),
+            (0x1000, 0x2000, 0x3000, 64)
+        );
+        assert_eq!(
+            kept(all.for_readers([Precision::Fast, Precision::Half])),
+            (true, false, true)
+        );
+        assert_eq!(kept(all.for_readers([])), (false, false, false));
+    }
 }

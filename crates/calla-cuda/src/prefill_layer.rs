@@ -186,14 +186,14 @@ pub fn prefill_mixer(
 ) -> Result<Vec<Launch>> {
     let l = layer_of(model, layer, s, t)?;
     let d = spec.hidden_size;
-    // x̂ feeds only the in-projections here: when all run half, only the f16 plane is written
+    // x̂'s readers here are the in-projections: the norm writes the planes they read
     let in_proj: &[DevMatrix] = match &l.mixer {
         DevMixer::DeltaNet(w) => &w.in_proj,
         DevMixer::Attention(w) => &w.in_proj,
     };
-    let all_half = in_proj
+    let readers = in_proj
         .iter()
-        .all(|m| precision_of(gpu, m, Product::MixerIn, opts) == Precision::Half);
+        .map(|m| precision_of(gpu, m, Product::MixerIn, opts));
     let mut out = vec![gemm::rmsnorm_planes(
         gpu,
         h,
@@ -201,11 +201,7 @@ pub fn prefill_mixer(
         spec.rms_norm_eps,
         t,
         d,
-        if all_half {
-            s.xn.for_precision(Precision::Half)
-        } else {
-            s.xn
-        },
+        s.xn.for_readers(readers),
     )?];
     for (r0, n) in mixer_pieces(t, s.mixer_tokens) {
         let xn = plane_rows(s.xn, r0);
@@ -325,6 +321,24 @@ pub fn prefill_ffn(
     opts: &PrefillOptions,
 ) -> Result<Vec<Launch>> {
     let l = layer_of(model, layer, s, t)?;
+    // x̂'s readers: the router, the routed and the shared gate/up, and the top-k's shared-expert
+    // gate (hi + lo, as split); or the dense MLP's gate/up
+    let readers: Vec<Precision> = match &l.ffn {
+        DevFfn::Moe(m) => [
+            (Product::Router, &m.router),
+            (Product::ExpertGateUp, &m.gate_up),
+        ]
+        .into_iter()
+        .chain(
+            m.shared
+                .as_ref()
+                .map(|(gate_up, _)| (Product::Shared, gate_up)),
+        )
+        .map(|(product, w)| precision_of(gpu, w, product, opts))
+        .chain([Precision::Split])
+        .collect(),
+        DevFfn::Dense(m) => vec![precision_of(gpu, &m.gate_up, Product::Shared, opts)],
+    };
     let mut out = vec![gemm::rmsnorm_planes(
         gpu,
         h,
@@ -332,7 +346,7 @@ pub fn prefill_ffn(
         spec.rms_norm_eps,
         t,
         spec.hidden_size,
-        s.xn,
+        s.xn.for_readers(readers),
     )?];
     match &l.ffn {
         DevFfn::Moe(m) => {
