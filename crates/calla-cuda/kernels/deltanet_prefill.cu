@@ -333,6 +333,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan(const DnSca
     // refilled once its last reader of this chunk has passed a barrier): W, q, U after the v' phase
     // (cp.async group 1), k and Aqk after the state update (group 2, waited for only before the o phase).
     auto copy_wqu = [&](int chunk) {
+#ifdef DN_TC_LAB_NO_COPY
+        if (chunk > 0) { cp_async_commit(); return; }
+#endif
         if (chunk < nchunks) {
             const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
             dn_copy_tile<true>(Ws, kp, (const float*)p.w_in + ((i64)t0 * p.Hv + h) * Dk, (i64)p.Hv * Dk, DN_CHUNK, L, Dk);
@@ -461,6 +464,225 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan(const DnSca
     for (int i = tid; i < bv * Dk; i += blockDim.x) {
         const int j = i / Dk, d = i - j * Dk;
         state[(i64)j * Dk + d] = S[j * kp + d];
+    }
+}
+
+// ---------------------------------------------------------------- the scan on tensor cores
+// prefill_dn_scan's work as mma.sync products in 3xTF32 (mma.cuh: ≈ f32, the state must agree with
+// the decode kernel's). Same grid (⌈Dv/32⌉, Hv), block 256, same params. Per chunk, two phases
+// between barriers, each spread over the 8 warps (lane = 4g + q):
+//   A  v' = U − W·Sᵀ (warps 0–3) and q·Sᵀ (warps 4–7): warp → 16 token rows × 32 columns, K = Dk.
+//   B  S ← e^{c_L} S + (v'·e^{c_L−c})ᵀ k (the S tiles live in registers: warp → 16 columns × 4 n-tiles
+//      of 8 key dims, n-tile (warp/2) + 4r), and o = e^{c} ⊙ q·Sᵀ + Aqk·v' (warp → 16 rows × 16
+//      columns; k-steps above the diagonal skipped). S is then published to shared memory, already
+//      split into tf32 big and small planes, for the next chunk's phase A.
+// Pitches (floats) make every fragment load conflict-free: ≡ 4 mod 8 where a fragment reads 8 rows ×
+// 4 columns (W, q, S planes: Dk + 4; Aqk: 68), ≡ 8 mod 32 where it reads 4 rows × 8 columns (k:
+// ⌈Dk/32⌉·32 + 8; v', U, q·S: 40). Needs Dk % 8 == 0 and Dk ≤ 128.
+// smem: (2·64 + 2·32)·(Dk + 4) + 64·(⌈Dk/32⌉·32 + 8) + 64·(3·40 + 68) + 128 floats (185 KiB at Dk 128).
+// Lab switches (CALLA_NVRTC_DEFINES; wrong results): DN_TC_LAB_NO_COPY (only chunk 0's tiles are
+// copied), DN_TC_LAB_NO_MMA (no products).
+#define DN_TC_VP 40
+#define DN_TC_AP 68
+
+extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan_tc(const DnScanParams p) {
+    extern __shared__ __align__(16) float sm[];
+    const int h = blockIdx.y, kh = h / (p.Hv / p.Hk), j0 = blockIdx.x * DN_BV;
+    const int Dk = p.Dk, Dv = p.Dv, bv = min(DN_BV, Dv - j0);
+    const int kp = Dk + 4, kpk = ((Dk + 31) & ~31) + 8, ntiles = Dk >> 3;
+    float* Ws = sm;                        // [64, kp]
+    float* qs = Ws + DN_CHUNK * kp;        // [64, kp]
+    float* ks = qs + DN_CHUNK * kp;        // [64, kpk]
+    float* Sb = ks + DN_CHUNK * kpk;       // [32, kp]  S[j][d], tf32 big
+    float* Ss = Sb + DN_BV * kp;           // [32, kp]  S[j][d], tf32 small
+    float* Us = Ss + DN_BV * kp;           // [64, 40]
+    float* vn = Us + DN_CHUNK * DN_TC_VP;  // [64, 40]  v'
+    float* qS = vn + DN_CHUNK * DN_TC_VP;  // [64, 40]  q·Sᵀ (old state)
+    float* Aq = qS + DN_CHUNK * DN_TC_VP;  // [64, 68]
+    float* cum = Aq + DN_CHUNK * DN_TC_AP; // [64]
+    float* ek = cum + DN_CHUNK;            // [64] e^{c_L − c_i}
+    const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, q = tid & 3;
+    const float* x = (const float*)p.qkvc;
+    float* state = (float*)p.state + ((i64)h * Dv + j0) * Dk;
+    const i64 q_col = (i64)kh * Dk, k_col = (i64)p.Hk * Dk + (i64)kh * Dk;
+
+    // This warp's S tiles: columns j = 16·(warp & 1) + g (+8), key dims d = 8·nt + 2q (+1),
+    // nt = (warp >> 1) + 4r. Element e of tile r: j + 8·(e >> 1), d + (e & 1).
+    const int s_m0 = 16 * (warp & 1);
+    float s_reg[4][4];
+    auto publish_s = [&]() {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int nt = (warp >> 1) + 4 * r;
+            if (nt < ntiles)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = s_m0 + g + 8 * (e >> 1), d = 8 * nt + 2 * q + (e & 1);
+                    u32 big, small;
+                    tf32_split(s_reg[r][e], big, small);
+                    Sb[j * kp + d] = __uint_as_float(big);
+                    Ss[j * kp + d] = __uint_as_float(small);
+                }
+        }
+    };
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int nt = (warp >> 1) + 4 * r;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = s_m0 + g + 8 * (e >> 1), d = 8 * nt + 2 * q + (e & 1);
+            s_reg[r][e] = (nt < ntiles && j < bv) ? state[(i64)j * Dk + d] : 0.0f;
+        }
+    }
+    publish_s();
+    for (int i = tid; i < DN_CHUNK * DN_TC_VP; i += blockDim.x) Us[i] = 0.0f; // columns ≥ bv stay zero
+    const int nchunks = (p.T + DN_CHUNK - 1) / DN_CHUNK;
+    // The next chunk's tiles are copied while this one computes, as in prefill_dn_scan: W, q, U after
+    // phase A (group 1), k and Aqk after phase B (group 2, waited for only before phase B).
+    auto copy_wqu = [&](int chunk) {
+#ifdef DN_TC_LAB_NO_COPY
+        if (chunk > 0) { cp_async_commit(); return; }
+#endif
+        if (chunk < nchunks) {
+            const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
+            dn_copy_tile<true>(Ws, kp, (const float*)p.w_in + ((i64)t0 * p.Hv + h) * Dk, (i64)p.Hv * Dk, DN_CHUNK, L, Dk);
+            dn_copy_tile<true>(qs, kp, x + (i64)t0 * p.C + q_col, p.C, DN_CHUNK, L, Dk);
+            dn_copy_tile<true>(Us, DN_TC_VP, (const float*)p.u_in + ((i64)t0 * p.Hv + h) * Dv + j0, (i64)p.Hv * Dv,
+                               DN_CHUNK, L, bv);
+        }
+        cp_async_commit();
+    };
+    auto copy_k_aqk = [&](int chunk) {
+#ifdef DN_TC_LAB_NO_COPY
+        if (chunk > 0) { cp_async_commit(); return; }
+#endif
+        if (chunk < nchunks) {
+            const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
+            dn_copy_tile<true>(ks, kpk, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
+            dn_copy_tile<true>(Aq, DN_TC_AP, (const float*)p.aqk_in + ((i64)chunk * p.Hv + h) * DN_CHUNK * DN_CHUNK,
+                               DN_CHUNK, DN_CHUNK, DN_CHUNK, DN_CHUNK);
+        }
+        cp_async_commit();
+    };
+    __syncthreads(); // Us zeroed before its copies land; S published
+    copy_wqu(0);
+    copy_k_aqk(0);
+    for (int chunk = 0; chunk < nchunks; ++chunk) {
+        const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
+        if (tid < DN_CHUNK) cum[tid] = tid < L ? ((const float*)p.gcum_in)[(i64)(t0 + tid) * p.Hv + h] : 0.0f;
+        cp_async_wait<1>(); // this chunk's W, q, U (k and Aqk may still be in flight)
+        __syncthreads();
+        const float c_last = cum[L - 1];
+        if (tid < DN_CHUNK) ek[tid] = tid < L ? expf(c_last - cum[tid]) : 0.0f;
+
+        { // phase A: rows 16·(warp & 3) of v' (warps 0–3) or q·Sᵀ (warps 4–7), n-tiles 0..3
+            const int m0 = 16 * (warp & 3);
+            const bool is_v = warp < 4;
+            const float* A = is_v ? Ws : qs;
+            float acc[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+#ifndef DN_TC_LAB_NO_MMA
+            for (int k0 = 0; k0 < Dk; k0 += 8) {
+                const Tf32A a = tf32_frag_a(A, kp, m0, k0, g, q);
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const int o = (8 * n + g) * kp + k0 + q; // Sᵀ as B: B[d][j] = S[j][d]
+                    Tf32B b;
+                    b.big[0] = __float_as_uint(Sb[o]);
+                    b.big[1] = __float_as_uint(Sb[o + 4]);
+                    b.small[0] = __float_as_uint(Ss[o]);
+                    b.small[1] = __float_as_uint(Ss[o + 4]);
+                    mma_3xtf32(acc[n], a, b);
+                }
+            }
+#endif
+            float* dst = is_v ? vn : qS;
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int i = m0 + g + 8 * hf, j = 8 * n + 2 * q;
+                    float2 v = make_float2(acc[n][2 * hf], acc[n][2 * hf + 1]);
+                    if (is_v) {
+                        const float2 u = *(const float2*)&Us[i * DN_TC_VP + j];
+                        v = make_float2(u.x - v.x, u.y - v.y);
+                    }
+                    *(float2*)&dst[i * DN_TC_VP + j] = v;
+                }
+        }
+        cp_async_wait<0>(); // this chunk's k and Aqk
+        __syncthreads();    // v', q·Sᵀ complete; W, q, U, S planes free
+        copy_wqu(chunk + 1);
+
+        { // phase B1: S ← e^{c_L} S + Σ_i (v'_ij e^{c_L−c_i}) k_id; rows ≥ L of v' are zero (so is ek)
+            const float decay = expf(c_last);
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s_reg[r][e] *= decay;
+#ifndef DN_TC_LAB_NO_MMA
+            for (int k0 = 0; k0 < L; k0 += 8) {
+                const Tf32A a = tf32_frag_at(vn, DN_TC_VP, ek, s_m0, k0, g, q);
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int nt = (warp >> 1) + 4 * r;
+                    if (nt < ntiles) mma_3xtf32(s_reg[r], a, tf32_frag_b_kn(ks, kpk, k0, 8 * nt, g, q));
+                }
+            }
+#endif
+        }
+        { // phase B2: o = e^{c_i} q_i·S_j + Σ_l Aqk_il v'_lj; Aqk is zero above the diagonal and past L
+            const int m0 = 16 * (warp >> 1), n0 = 16 * (warp & 1);
+            float o[2][4];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = m0 + g + 8 * hf;
+                const float ec = expf(cum[i]);
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    const float2 v = *(const float2*)&qS[i * DN_TC_VP + n0 + 8 * n + 2 * q];
+                    o[n][2 * hf] = ec * v.x;
+                    o[n][2 * hf + 1] = ec * v.y;
+                }
+            }
+#ifdef DN_TC_LAB_NO_MMA
+            const int kend = 0;
+#else
+            const int kend = min(m0 + 16, L);
+#endif
+            for (int k0 = 0; k0 < kend; k0 += 8) {
+                const Tf32A a = tf32_frag_a(Aq, DN_TC_AP, m0, k0, g, q);
+#pragma unroll
+                for (int n = 0; n < 2; ++n) mma_3xtf32(o[n], a, tf32_frag_b_kn(vn, DN_TC_VP, k0, n0 + 8 * n, g, q));
+            }
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = m0 + g + 8 * hf;
+                if (i >= L) continue;
+                float* orow = (float*)p.o_out + ((i64)(t0 + i) * p.Hv + h) * Dv + j0;
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    const int j = n0 + 8 * n + 2 * q;
+                    if (j < bv) *(float2*)&orow[j] = make_float2(o[n][2 * hf], o[n][2 * hf + 1]);
+                }
+            }
+        }
+        publish_s(); // phase A's reads of the planes finished before the last barrier
+        __syncthreads(); // o and the update done with k, Aqk, v', q·Sᵀ, cum; S published
+        copy_k_aqk(chunk + 1);
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int nt = (warp >> 1) + 4 * r;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = s_m0 + g + 8 * (e >> 1), d = 8 * nt + 2 * q + (e & 1);
+            if (nt < ntiles && j < bv) state[(i64)j * Dk + d] = s_reg[r][e];
+        }
     }
 }
 

@@ -104,6 +104,77 @@ __device__ __forceinline__ float load_planes(const u16* hi, const u16* lo, i64 i
     return v;
 }
 
+// ---------------------------------------------------------------- TF32 mma.sync in three passes (≈ f32)
+// mma.sync.m16n8k8 with tf32 operands (10 stored mantissa bits), lane = 4·g + q:
+//   A 16×8 row-major: a0 = (row g, k q)  a1 = (row g+8, k q)  a2 = (row g, k q+4)  a3 = (row g+8, k q+4)
+//   B 8×8 (k × n):    b0 = (k q, n g)    b1 = (k q+4, n g)
+//   C 16×8 f32:       c0, c1 = (row g, n 2q, 2q+1)   c2, c3 = (row g+8, n 2q, 2q+1)
+// "3xTF32": each operand x = big + small, both tf32 (big = rna(x), small = rna(x − big), the
+// difference exact in f32), and a·b ≈ small·big + big·small + big·big; the dropped small·small is
+// ~2⁻²² relative, so the products agree with f32 ones at about f32's own rounding, at tensor-core rate.
+struct Tf32A { u32 big[4], small[4]; };
+struct Tf32B { u32 big[2], small[2]; };
+__device__ __forceinline__ u32 tf32_rna(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void tf32_split(float x, u32& big, u32& small) {
+    big = tf32_rna(x);
+    small = tf32_rna(x - __uint_as_float(big));
+}
+__device__ __forceinline__ void mma_tf32(float* c, const u32* a, const u32* b) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// c += a·b in three passes (small terms first: they are the ones rounding would lose).
+__device__ __forceinline__ void mma_3xtf32(float* c, const Tf32A& a, const Tf32B& b) {
+    mma_tf32(c, a.small, b.big);
+    mma_tf32(c, a.big, b.small);
+    mma_tf32(c, a.big, b.big);
+}
+// The A fragment of the 16×8 block at (row m0, column k0) of a row-major f32 tile of pitch P.
+__device__ __forceinline__ Tf32A tf32_frag_a(const float* t, int P, int m0, int k0, int g, int q) {
+    Tf32A a;
+    const float* r0 = t + (m0 + g) * P + k0 + q;
+    const float* r1 = r0 + 8 * P;
+    tf32_split(r0[0], a.big[0], a.small[0]);
+    tf32_split(r1[0], a.big[1], a.small[1]);
+    tf32_split(r0[4], a.big[2], a.small[2]);
+    tf32_split(r1[4], a.big[3], a.small[3]);
+    return a;
+}
+// The A fragment of the block at (m0, k0) of Aᵀ, A[m][k] = t[k·P + m] · s[k] (a tile stored
+// transposed, its rows k scaled by s).
+__device__ __forceinline__ Tf32A tf32_frag_at(const float* t, int P, const float* s, int m0, int k0, int g, int q) {
+    Tf32A a;
+    const float s0 = s[k0 + q], s1 = s[k0 + q + 4];
+    const float* c0 = t + (k0 + q) * P + m0 + g;
+    const float* c1 = c0 + 4 * P;
+    tf32_split(c0[0] * s0, a.big[0], a.small[0]);
+    tf32_split(c0[8] * s0, a.big[1], a.small[1]);
+    tf32_split(c1[0] * s1, a.big[2], a.small[2]);
+    tf32_split(c1[8] * s1, a.big[3], a.small[3]);
+    return a;
+}
+// The B fragment of the block at (k0, n0) of B[k][n] = t[n·P + k] (rows of n, k contiguous).
+__device__ __forceinline__ Tf32B tf32_frag_b_nk(const float* t, int P, int k0, int n0, int g, int q) {
+    Tf32B b;
+    const float* r = t + (n0 + g) * P + k0 + q;
+    tf32_split(r[0], b.big[0], b.small[0]);
+    tf32_split(r[4], b.big[1], b.small[1]);
+    return b;
+}
+// The B fragment of the block at (k0, n0) of B[k][n] = t[k·P + n] (rows of k, n contiguous).
+__device__ __forceinline__ Tf32B tf32_frag_b_kn(const float* t, int P, int k0, int n0, int g, int q) {
+    Tf32B b;
+    const float* c = t + (k0 + q) * P + n0 + g;
+    tf32_split(c[0], b.big[0], b.small[0]);
+    tf32_split(c[4 * P], b.big[1], b.small[1]);
+    return b;
+}
+
 // ---------------------------------------------------------------- Hopper warpgroup MMA (sm_90a only)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Shared-memory matrix descriptor of a K-major bf16 tile in the 128-byte swizzle: rows of 64 values

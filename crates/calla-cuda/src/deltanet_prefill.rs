@@ -175,6 +175,13 @@ struct DnNormParams {
     out_f16: u64,
 }
 
+/// The scan runs on tensor cores (`prefill_dn_scan_tc`, 3xTF32, ≈ f32) where the key head dim is a
+/// multiple of 8, else on CUDA cores (`prefill_dn_scan`); `CALLA_DN_SCAN=simt` picks the CUDA-core
+/// kernel everywhere (for A/B measurements).
+fn scan_on_tensor_cores(dk: usize) -> bool {
+    dk % 8 == 0 && std::env::var("CALLA_DN_SCAN").as_deref() != Ok("simt")
+}
+
 /// The launches of one layer's DeltaNet core for `t` tokens at positions `p0..p0+t`.
 pub fn prefill_core(
     gpu: &Gpu,
@@ -288,12 +295,21 @@ pub fn prefill_core(
         dk: dims.2,
         dv: dims.3,
     };
-    // (kernel layout: W, q, k rows and the S tile of Dk + 4 floats; U [64, 33]; v' [64, 36];
-    // Aqk [64, 65]; cumulative gates and decays)
-    let scan_smem = ((3 * CHUNK + BV) * (dk + 4) + CHUNK * (33 + 36 + 65) + 2 * CHUNK) * 4;
+    let (scan_kernel, scan_smem) = if scan_on_tensor_cores(dk) {
+        // (kernel layout: W, q rows and the S planes of Dk + 4 floats; k rows of ⌈Dk/32⌉·32 + 8;
+        // U, v', q·S [64, 40]; Aqk [64, 68]; cumulative gates and decays)
+        let k_pitch = dk.next_multiple_of(32) + 8;
+        let floats = (2 * CHUNK + 2 * BV) * (dk + 4) + CHUNK * k_pitch + CHUNK * (3 * 40 + 68) + 2 * CHUNK;
+        ("prefill_dn_scan_tc", floats * 4)
+    } else {
+        // (kernel layout: W, q, k rows and the S tile of Dk + 4 floats; U [64, 33]; v' [64, 36];
+        // Aqk [64, 65]; cumulative gates and decays)
+        let floats = (3 * CHUNK + BV) * (dk + 4) + CHUNK * (33 + 36 + 65) + 2 * CHUNK;
+        ("prefill_dn_scan", floats * 4)
+    };
     out.push(Launch::new(
         gpu,
-        "prefill_dn_scan",
+        scan_kernel,
         (dv.div_ceil(BV) as u32, hv as u32, 1),
         256,
         scan_smem as u32,

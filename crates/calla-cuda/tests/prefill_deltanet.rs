@@ -184,3 +184,20 @@ fn real_dims_q4() {
     );
     assert!(ok, "DeltaNet prefill out of tolerance (see above)");
 }
+
+/// Split precision at the real dims: the projections ≈ f32, so the chunked core's own accuracy
+/// (3xTF32 on the tensor cores) shows against SPLIT's tolerance.
+#[test]
+#[ignore = "needs CUDA"]
+fn real_dims_q4_split() {
+    let spec = mixer_spec(&calla_model::synthetic::preset("qwen3.6-35b-a3b").unwrap());
+    let ok = run_case(
+        "real q4 split",
+        &spec,
+        WFmt::Q4,
+        Some(Precision::Split),
+        SPLIT,
+        &[(1000, 0), (300, 77)],
+    );
+    assert!(ok, "DeltaNet prefill out of tolerance (see above)");
+}

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session 11's device runs (carry .gpu-bin from scripts/gpu-build-all.sh): STEP picks what runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export CALLA_KERNEL_CACHE=$PWD/.gpu-bin/kernel-cache CALLA_REQUIRE_GPU=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+echo "binaries of $(cat .gpu-bin/COMMIT | tr '\n' ' ')"
+t() { local name=$1; shift; timeout "${TT:-150}" ".gpu-bin/$name" --ignored --nocapture --test-threads=1 "$@" > "$OUT/$name.log" 2>&1; echo "== $name $*: exit $? $(grep -c '^ok ' "$OUT/$name.log") ok, $(grep -c '^FAIL' "$OUT/$name.log") FAIL"; grep -E '^FAIL|panicked' "$OUT/$name.log" | head -8; }
+lab() { timeout 200 .gpu-bin/lab_prefill 8192 > "$OUT/lab-$1.log" 2>&1; echo "== lab $1 (rc $?)"; grep -E 'scan|chunk|DeltaNet mixer|whole|estimate' "$OUT/lab-$1.log" | head -12; }
+for step in ${STEP:-dn}; do
+case $step in
+dn) t prefill_deltanet; grep -E 'real|T=1000' "$OUT/prefill_deltanet.log" | head -20 ;;
+layers) t prefill_layers ;;
+labsimt) CALLA_DN_SCAN=simt lab simt ;;
+labnocopy) CALLA_NVRTC_DEFINES=DN_TC_LAB_NO_COPY lab nocopy ;;
+labnomma) CALLA_NVRTC_DEFINES=DN_TC_LAB_NO_MMA lab nomma ;;
+lab) lab tc ;;
+labhalf) CALLA_PROMPT_PRECISION=half lab half ;;
+parity) (unset CALLA_KERNEL_CACHE; timeout 200 scripts/gpu-parity.sh > "$OUT/parity.log" 2>&1; echo "== parity rc $?"); grep -E 'ALL PASS|FAIL|rows' "$OUT/parity.log" | tail -8 ;;
+parityhalf) (unset CALLA_KERNEL_CACHE; CALLA_PROMPT_PRECISION=half timeout 200 scripts/gpu-parity.sh > "$OUT/parityh.log" 2>&1; echo "== parity half rc $?"); grep -E 'ALL PASS|FAIL|rows' "$OUT/parityh.log" | tail -10 ;;
+e2e) for pp in split half; do timeout 150 .gpu-bin/calla bench --synthetic qwen3.6-35b-a3b --quant q4 --prompt-len 8192 --gen-len 64 --context 32768 --rounds 3 --prompt-precision $pp > "$OUT/e2e-$pp.log" 2>&1; echo "== e2e $pp rc $?"; grep -iE 'prefill|ttft|decode|peak' "$OUT/e2e-$pp.log" | head -8; done ;;
+esac
+done
