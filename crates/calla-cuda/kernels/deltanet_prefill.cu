@@ -468,43 +468,58 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan(const DnSca
 }
 
 // ---------------------------------------------------------------- the scan on tensor cores
-// prefill_dn_scan's work as mma.sync products in 3xTF32 (mma.cuh: ≈ f32, the state must agree with
-// the decode kernel's). Same grid (⌈Dv/32⌉, Hv), block 256, same params. Per chunk, two phases
-// between barriers, each spread over the 8 warps (lane = 4g + q):
-//   A  v' = U − W·Sᵀ (warps 0–3) and q·Sᵀ (warps 4–7): warp → 16 token rows × 32 columns, K = Dk.
-//   B  S ← e^{c_L} S + (v'·e^{c_L−c})ᵀ k (the S tiles live in registers: warp → 16 columns × 4 n-tiles
-//      of 8 key dims, n-tile (warp/2) + 4r), and o = e^{c} ⊙ q·Sᵀ + Aqk·v' (warp → 16 rows × 16
-//      columns; k-steps above the diagonal skipped). S is then published to shared memory, already
-//      split into tf32 big and small planes, for the next chunk's phase A.
-// Pitches (floats) make every fragment load conflict-free: ≡ 4 mod 8 where a fragment reads 8 rows ×
-// 4 columns (W, q, S planes: Dk + 4; Aqk: 68), ≡ 8 mod 32 where it reads 4 rows × 8 columns (k:
-// ⌈Dk/32⌉·32 + 8; v', U, q·S: 40). Needs Dk % 8 == 0 and Dk ≤ 128.
-// smem: (2·64 + 2·32)·(Dk + 4) + 64·(⌈Dk/32⌉·32 + 8) + 64·(3·40 + 68) + 128 floats (185 KiB at Dk 128).
-// Lab switches (CALLA_NVRTC_DEFINES; wrong results): DN_TC_LAB_NO_COPY (only chunk 0's tiles are
-// copied), DN_TC_LAB_NO_MMA (no products).
-#define DN_TC_VP 40
-#define DN_TC_AP 68
+// prefill_dn_scan's work split as FLA's chunked kernels split it, on tensor cores in 3xbf16 (mma.cuh:
+// ~2⁻¹⁷ relative per product, near f32; the state must agree with the decode kernel's):
+//   prefill_dn_states  the sequential part only: per chunk v' = U − W·Sᵀ (written over U) and
+//                      S ← e^{c_L} S + (v'·e^{c_L−c})ᵀ k, and the state before each chunk (h) saved.
+//   prefill_dn_out     parallel over (chunk, head, 64 value columns): o = e^{c} ⊙ q·hᵀ + Aqk·v'.
+// Pitches (floats) as mma.cuh's fragment loaders want them: rows read in pairs along k (W, q, h,
+// Aqk) ⌈·/32⌉·32 + 8; tiles read down columns (k, v') ≡ 4 mod 8. Both need Dk % 16 == 0, Dk ≤ 128.
+#define DN_TC_UP 40  // U rows (16-byte copies)
+#define DN_TC_VP 36  // v' rows in prefill_dn_states
+#define DN_OUT_BV 64
+#define DN_OUT_AP 72 // Aqk rows
+#define DN_OUT_VP 68 // v' rows in prefill_dn_out
 
-extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan_tc(const DnScanParams p) {
+__host__ __device__ __forceinline__ int dn_pair_pitch(int n) { return ((n + 31) & ~31) + 8; }
+
+struct DnStatesParams {
+    u64 qkvc;    // [T, C] conv output (k)
+    u64 w_in;    // [T, Hv, Dk]
+    u64 u_io;    // [T, Hv, Dv]: U in, v' out
+    u64 gcum_in; // [T, Hv]
+    u64 state;   // [Hv, Dv, Dk] f32, in/out
+    u64 h_out;   // [NC, Hv, Dv, Dk]: the state before each chunk
+    int T, C, Hk, Hv, Dk, Dv;
+};
+
+// grid (⌈Dv/32⌉, Hv), block 256 (8 warps, lane = 4g + q), one block per SM. Per chunk, between two
+// barriers: phase A, v' (warp → 16 token rows × 16 columns, K = Dk), then phase B, the state update
+// (the S tiles live in registers as f32: warp → 16 columns j × 4 n-tiles of 8 key dims, n-tile
+// (warp/2) + 4r), after which S is published to shared memory as packed bf16 hi and lo pairs (the
+// B fragments of the next chunk's phase A). The next chunk's W, k, U and gates are copied into the
+// other buffer while this one computes. smem: 2·64·(wp + Dk + 4 + 40) + 64·36 + 192 floats + 2·32·
+// (Dk/2 + 4 rounded) words, wp = ⌈Dk/32⌉·32 + 8 (186 KiB at Dk 128). Lab switches
+// (CALLA_NVRTC_DEFINES; wrong results): DN_TC_LAB_NO_COPY (only the first two chunks' tiles are
+// copied), DN_TC_LAB_NO_MMA (no products), DN_TC_LAB_NO_STORE (no h, no v' stores).
+extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_states(const DnStatesParams p) {
     extern __shared__ __align__(16) float sm[];
     const int h = blockIdx.y, kh = h / (p.Hv / p.Hk), j0 = blockIdx.x * DN_BV;
     const int Dk = p.Dk, Dv = p.Dv, bv = min(DN_BV, Dv - j0);
-    const int kp = Dk + 4, kpk = ((Dk + 31) & ~31) + 8, ntiles = Dk >> 3;
-    float* Ws = sm;                        // [64, kp]
-    float* qs = Ws + DN_CHUNK * kp;        // [64, kp]
-    float* ks = qs + DN_CHUNK * kp;        // [64, kpk]
-    float* Sb = ks + DN_CHUNK * kpk;       // [32, kp]  S[j][d], tf32 big
-    float* Ss = Sb + DN_BV * kp;           // [32, kp]  S[j][d], tf32 small
-    float* Us = Ss + DN_BV * kp;           // [64, 40]
-    float* vn = Us + DN_CHUNK * DN_TC_VP;  // [64, 40]  v'
-    float* qS = vn + DN_CHUNK * DN_TC_VP;  // [64, 40]  q·Sᵀ (old state)
-    float* Aq = qS + DN_CHUNK * DN_TC_VP;  // [64, 68]
-    float* cum = Aq + DN_CHUNK * DN_TC_AP; // [64]
-    float* ek = cum + DN_CHUNK;            // [64] e^{c_L − c_i}
+    const int wp = dn_pair_pitch(Dk), kp = Dk + 4, sp = ((Dk / 2 + 7) & ~7) + 4, ntiles = Dk >> 3;
+    float* Ws = sm;                            // [2][64, wp]
+    float* ks = Ws + 2 * DN_CHUNK * wp;        // [2][64, kp]
+    float* Us = ks + 2 * DN_CHUNK * kp;        // [2][64, 40]
+    float* vn = Us + 2 * DN_CHUNK * DN_TC_UP;  // [64, 36]  v'
+    float* cum = vn + DN_CHUNK * DN_TC_VP;     // [2][64]
+    float* ek = cum + 2 * DN_CHUNK;            // [64] e^{c_L − c_i}
+    u32* Shi = (u32*)(ek + DN_CHUNK);          // [32, sp]  (S[j][d], S[j][d+1]) bf16 hi pair
+    u32* Slo = Shi + DN_BV * sp;               // [32, sp]  … lo pair
     const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, q = tid & 3;
     const float* x = (const float*)p.qkvc;
+    float* u_io = (float*)p.u_io;
     float* state = (float*)p.state + ((i64)h * Dv + j0) * Dk;
-    const i64 q_col = (i64)kh * Dk, k_col = (i64)p.Hk * Dk + (i64)kh * Dk;
+    const i64 k_col = (i64)p.Hk * Dk + (i64)kh * Dk;
 
     // This warp's S tiles: columns j = 16·(warp & 1) + g (+8), key dims d = 8·nt + 2q (+1),
     // nt = (warp >> 1) + 4r. Element e of tile r: j + 8·(e >> 1), d + (e & 1).
@@ -516,12 +531,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan_tc(const Dn
             const int nt = (warp >> 1) + 4 * r;
             if (nt < ntiles)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = s_m0 + g + 8 * (e >> 1), d = 8 * nt + 2 * q + (e & 1);
-                    u32 big, small;
-                    tf32_split(s_reg[r][e], big, small);
-                    Sb[j * kp + d] = __uint_as_float(big);
-                    Ss[j * kp + d] = __uint_as_float(small);
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int j = s_m0 + g + 8 * hf, dp = 4 * nt + q; // pair (d, d + 1) = 2·dp
+                    bf3_split(s_reg[r][2 * hf], s_reg[r][2 * hf + 1], Shi[j * sp + dp], Slo[j * sp + dp]);
                 }
         }
     };
@@ -535,144 +547,110 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan_tc(const Dn
         }
     }
     publish_s();
-    for (int i = tid; i < DN_CHUNK * DN_TC_VP; i += blockDim.x) Us[i] = 0.0f; // columns ≥ bv stay zero
+    for (int i = tid; i < 2 * DN_CHUNK * DN_TC_UP; i += blockDim.x) Us[i] = 0.0f; // columns ≥ bv stay zero
     const int nchunks = (p.T + DN_CHUNK - 1) / DN_CHUNK;
-    // The next chunk's tiles are copied while this one computes, as in prefill_dn_scan: W, q, U after
-    // phase A (group 1), k and Aqk after phase B (group 2, waited for only before phase B).
-    auto copy_wqu = [&](int chunk) {
+    auto copy_chunk = [&](int chunk) {
 #ifdef DN_TC_LAB_NO_COPY
-        if (chunk > 0) { cp_async_commit(); return; }
+        if (chunk > 1) { cp_async_commit(); return; }
 #endif
         if (chunk < nchunks) {
-            const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
-            dn_copy_tile<true>(Ws, kp, (const float*)p.w_in + ((i64)t0 * p.Hv + h) * Dk, (i64)p.Hv * Dk, DN_CHUNK, L, Dk);
-            dn_copy_tile<true>(qs, kp, x + (i64)t0 * p.C + q_col, p.C, DN_CHUNK, L, Dk);
-            dn_copy_tile<true>(Us, DN_TC_VP, (const float*)p.u_in + ((i64)t0 * p.Hv + h) * Dv + j0, (i64)p.Hv * Dv,
-                               DN_CHUNK, L, bv);
+            const int b = chunk & 1, t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
+            dn_copy_tile<true>(Ws + b * DN_CHUNK * wp, wp, (const float*)p.w_in + ((i64)t0 * p.Hv + h) * Dk,
+                               (i64)p.Hv * Dk, DN_CHUNK, L, Dk);
+            dn_copy_tile<true>(ks + b * DN_CHUNK * kp, kp, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
+            dn_copy_tile<true>(Us + b * DN_CHUNK * DN_TC_UP, DN_TC_UP, u_io + ((i64)t0 * p.Hv + h) * Dv + j0,
+                               (i64)p.Hv * Dv, DN_CHUNK, L, bv);
+            if (tid < DN_CHUNK)
+                cp_async4(smem_addr(cum + b * DN_CHUNK + tid),
+                          (const float*)p.gcum_in + (i64)(t0 + min(tid, L - 1)) * p.Hv + h, tid < L ? 4 : 0);
         }
         cp_async_commit();
     };
-    auto copy_k_aqk = [&](int chunk) {
-#ifdef DN_TC_LAB_NO_COPY
-        if (chunk > 0) { cp_async_commit(); return; }
-#endif
-        if (chunk < nchunks) {
-            const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
-            dn_copy_tile<true>(ks, kpk, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
-            dn_copy_tile<true>(Aq, DN_TC_AP, (const float*)p.aqk_in + ((i64)chunk * p.Hv + h) * DN_CHUNK * DN_CHUNK,
-                               DN_CHUNK, DN_CHUNK, DN_CHUNK, DN_CHUNK);
-        }
-        cp_async_commit();
-    };
-    __syncthreads(); // Us zeroed before its copies land; S published
-    copy_wqu(0);
-    copy_k_aqk(0);
+    __syncthreads(); // Us zeroed before its copies land
+    copy_chunk(0);
     for (int chunk = 0; chunk < nchunks; ++chunk) {
-        const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
-        if (tid < DN_CHUNK) cum[tid] = tid < L ? ((const float*)p.gcum_in)[(i64)(t0 + tid) * p.Hv + h] : 0.0f;
-        cp_async_wait<1>(); // this chunk's W, q, U (k and Aqk may still be in flight)
-        __syncthreads();
-        const float c_last = cum[L - 1];
-        if (tid < DN_CHUNK) ek[tid] = tid < L ? expf(c_last - cum[tid]) : 0.0f;
-
-        { // phase A: rows 16·(warp & 3) of v' (warps 0–3) or q·Sᵀ (warps 4–7), n-tiles 0..3
-            const int m0 = 16 * (warp & 3);
-            const bool is_v = warp < 4;
-            const float* A = is_v ? Ws : qs;
-            float acc[4][4];
+        const int b = chunk & 1, t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
+        const float* W = Ws + b * DN_CHUNK * wp;
+        const float* K = ks + b * DN_CHUNK * kp;
+        const float* U = Us + b * DN_CHUNK * DN_TC_UP;
+        const float* cm = cum + b * DN_CHUNK;
+        cp_async_wait<0>(); // this chunk's tiles (the only group in flight)
+        __syncthreads();    // … landed for every thread; the last chunk's phase B is done with the other buffer
+        copy_chunk(chunk + 1);
+#ifndef DN_TC_LAB_NO_STORE
+        { // the state before this chunk, for prefill_dn_out
+            float* hs = (float*)p.h_out + (((i64)chunk * p.Hv + h) * Dv + j0) * Dk;
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int r = 0; r < 4; ++r) {
+                const int nt = (warp >> 1) + 4 * r;
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int j = s_m0 + g + 8 * hf, d = 8 * nt + 2 * q;
+                    if (nt < ntiles && j < bv) *(float2*)&hs[(i64)j * Dk + d] = make_float2(s_reg[r][2 * hf], s_reg[r][2 * hf + 1]);
+                }
+            }
+        }
+#endif
+        const float c_last = cm[L - 1];
+        if (tid < DN_CHUNK) ek[tid] = tid < L ? expf(c_last - cm[tid]) : 0.0f;
+
+        { // phase A: v' = U − W·Sᵀ, rows 16·(warp >> 1), columns 16·(warp & 1) + 8n
+            const int m0 = 16 * (warp >> 1), n0 = 16 * (warp & 1);
+            float acc[2][4];
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
 #ifndef DN_TC_LAB_NO_MMA
-            for (int k0 = 0; k0 < Dk; k0 += 8) {
-                const Tf32A a = tf32_frag_a(A, kp, m0, k0, g, q);
+#pragma unroll 2
+            for (int k0 = 0; k0 < Dk; k0 += 16) {
+                const Bf3A a = bf3_frag_a(W, wp, m0, k0, g, q);
 #pragma unroll
-                for (int n = 0; n < 4; ++n) {
-                    const int o = (8 * n + g) * kp + k0 + q; // Sᵀ as B: B[d][j] = S[j][d]
-                    Tf32B b;
-                    b.big[0] = __float_as_uint(Sb[o]);
-                    b.big[1] = __float_as_uint(Sb[o + 4]);
-                    b.small[0] = __float_as_uint(Ss[o]);
-                    b.small[1] = __float_as_uint(Ss[o + 4]);
-                    mma_3xtf32(acc[n], a, b);
+                for (int n = 0; n < 2; ++n) {
+                    const int o = (n0 + 8 * n + g) * sp + k0 / 2 + q; // Sᵀ as B: B[d][j] = S[j][d]
+                    Bf3B bf;
+                    bf.hi[0] = Shi[o];
+                    bf.hi[1] = Shi[o + 4];
+                    bf.lo[0] = Slo[o];
+                    bf.lo[1] = Slo[o + 4];
+                    mma_3xbf16(acc[n], a, bf);
                 }
             }
 #endif
-            float* dst = is_v ? vn : qS;
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int n = 0; n < 2; ++n)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    const int i = m0 + g + 8 * hf, j = 8 * n + 2 * q;
-                    float2 v = make_float2(acc[n][2 * hf], acc[n][2 * hf + 1]);
-                    if (is_v) {
-                        const float2 u = *(const float2*)&Us[i * DN_TC_VP + j];
-                        v = make_float2(u.x - v.x, u.y - v.y);
-                    }
-                    *(float2*)&dst[i * DN_TC_VP + j] = v;
+                    const int i = m0 + g + 8 * hf, j = n0 + 8 * n + 2 * q;
+                    const float2 u = *(const float2*)&U[i * DN_TC_UP + j];
+                    const float2 v = make_float2(u.x - acc[n][2 * hf], u.y - acc[n][2 * hf + 1]);
+                    *(float2*)&vn[i * DN_TC_VP + j] = v;
+#ifndef DN_TC_LAB_NO_STORE
+                    if (i < L && j < bv) *(float2*)&u_io[((i64)(t0 + i) * p.Hv + h) * Dv + j0 + j] = v;
+#endif
                 }
         }
-        cp_async_wait<0>(); // this chunk's k and Aqk
-        __syncthreads();    // v', q·Sᵀ complete; W, q, U, S planes free
-        copy_wqu(chunk + 1);
+        __syncthreads(); // v' and ek complete; the S planes free
 
-        { // phase B1: S ← e^{c_L} S + Σ_i (v'_ij e^{c_L−c_i}) k_id; rows ≥ L of v' are zero (so is ek)
+        { // phase B: S ← e^{c_L} S + Σ_i (v'_ij e^{c_L−c_i}) k_id; rows ≥ L of v' are zero (so is ek)
             const float decay = expf(c_last);
 #pragma unroll
             for (int r = 0; r < 4; ++r)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s_reg[r][e] *= decay;
 #ifndef DN_TC_LAB_NO_MMA
-            for (int k0 = 0; k0 < L; k0 += 8) {
-                const Tf32A a = tf32_frag_at(vn, DN_TC_VP, ek, s_m0, k0, g, q);
+#pragma unroll 2
+            for (int k0 = 0; k0 < L; k0 += 16) {
+                const Bf3A a = bf3_frag_at(vn, DN_TC_VP, ek, s_m0, k0, g, q);
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     const int nt = (warp >> 1) + 4 * r;
-                    if (nt < ntiles) mma_3xtf32(s_reg[r], a, tf32_frag_b_kn(ks, kpk, k0, 8 * nt, g, q));
+                    if (nt < ntiles) mma_3xbf16(s_reg[r], a, bf3_frag_b_kn(K, kp, k0, 8 * nt, g, q));
                 }
             }
 #endif
-        }
-        { // phase B2: o = e^{c_i} q_i·S_j + Σ_l Aqk_il v'_lj; Aqk is zero above the diagonal and past L
-            const int m0 = 16 * (warp >> 1), n0 = 16 * (warp & 1);
-            float o[2][4];
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int i = m0 + g + 8 * hf;
-                const float ec = expf(cum[i]);
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    const float2 v = *(const float2*)&qS[i * DN_TC_VP + n0 + 8 * n + 2 * q];
-                    o[n][2 * hf] = ec * v.x;
-                    o[n][2 * hf + 1] = ec * v.y;
-                }
-            }
-#ifdef DN_TC_LAB_NO_MMA
-            const int kend = 0;
-#else
-            const int kend = min(m0 + 16, L);
-#endif
-            for (int k0 = 0; k0 < kend; k0 += 8) {
-                const Tf32A a = tf32_frag_a(Aq, DN_TC_AP, m0, k0, g, q);
-#pragma unroll
-                for (int n = 0; n < 2; ++n) mma_3xtf32(o[n], a, tf32_frag_b_kn(vn, DN_TC_VP, k0, n0 + 8 * n, g, q));
-            }
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int i = m0 + g + 8 * hf;
-                if (i >= L) continue;
-                float* orow = (float*)p.o_out + ((i64)(t0 + i) * p.Hv + h) * Dv + j0;
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    const int j = n0 + 8 * n + 2 * q;
-                    if (j < bv) *(float2*)&orow[j] = make_float2(o[n][2 * hf], o[n][2 * hf + 1]);
-                }
-            }
         }
         publish_s(); // phase A's reads of the planes finished before the last barrier
-        __syncthreads(); // o and the update done with k, Aqk, v', q·Sᵀ, cum; S published
-        copy_k_aqk(chunk + 1);
     }
     cp_async_wait<0>();
 #pragma unroll
@@ -682,6 +660,79 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan_tc(const Dn
         for (int e = 0; e < 4; ++e) {
             const int j = s_m0 + g + 8 * (e >> 1), d = 8 * nt + 2 * q + (e & 1);
             if (nt < ntiles && j < bv) state[(i64)j * Dk + d] = s_reg[r][e];
+        }
+    }
+}
+
+struct DnOutParams {
+    u64 qkvc;    // [T, C] conv output (q)
+    u64 v_in;    // [T, Hv, Dv] v'
+    u64 aqk_in;  // [NC, Hv, 64, 64]
+    u64 gcum_in; // [T, Hv]
+    u64 h_in;    // [NC, Hv, Dv, Dk]
+    u64 o_out;   // [T, Hv, Dv]
+    int T, C, Hk, Hv, Dk, Dv;
+};
+
+// grid (NC, Hv, ⌈Dv/64⌉), block 256: o_ij = e^{c_i} q_i·h_j + Σ_l Aqk_il v'_lj for one chunk, one
+// head and 64 value columns; warp → 16 token rows × 32 columns. Columns ≥ Dv of h and v' are not
+// loaded: they only reach output columns that are not stored. smem: 2·64·wp + 64·(72 + 68) + 64
+// floats (107 KiB at Dk 128: two blocks per SM).
+extern "C" __global__ void __launch_bounds__(256) prefill_dn_out(const DnOutParams p) {
+    extern __shared__ __align__(16) float sm[];
+    const int chunk = blockIdx.x, h = blockIdx.y, kh = h / (p.Hv / p.Hk), j0 = blockIdx.z * DN_OUT_BV;
+    const int Dk = p.Dk, Dv = p.Dv, bv = min(DN_OUT_BV, Dv - j0), wp = dn_pair_pitch(Dk);
+    const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
+    float* qs = sm;                         // [64, wp]
+    float* hs = qs + DN_CHUNK * wp;         // [64, wp]: h[j][d]
+    float* Aq = hs + DN_OUT_BV * wp;        // [64, 72]
+    float* vs = Aq + DN_CHUNK * DN_OUT_AP;  // [64, 68]
+    float* cum = vs + DN_CHUNK * DN_OUT_VP; // [64]
+    const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, q = tid & 3;
+    dn_copy_tile<true>(qs, wp, (const float*)p.qkvc + (i64)t0 * p.C + (i64)kh * Dk, p.C, DN_CHUNK, L, Dk);
+    dn_copy_tile<true>(hs, wp, (const float*)p.h_in + (((i64)chunk * p.Hv + h) * Dv + j0) * Dk, Dk, DN_OUT_BV, bv, Dk);
+    dn_copy_tile<true>(Aq, DN_OUT_AP, (const float*)p.aqk_in + ((i64)chunk * p.Hv + h) * DN_CHUNK * DN_CHUNK, DN_CHUNK,
+                       DN_CHUNK, DN_CHUNK, DN_CHUNK);
+    dn_copy_tile<true>(vs, DN_OUT_VP, (const float*)p.v_in + ((i64)t0 * p.Hv + h) * Dv + j0, (i64)p.Hv * Dv, DN_CHUNK,
+                       L, bv);
+    cp_async_commit();
+    if (tid < DN_CHUNK) cum[tid] = tid < L ? ((const float*)p.gcum_in)[(i64)(t0 + tid) * p.Hv + h] : 0.0f;
+    cp_async_wait<0>();
+    __syncthreads();
+
+    const int m0 = 16 * (warp >> 1), n0 = 32 * (warp & 1);
+    float o[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < Dk; k0 += 16) {
+        const Bf3A a = bf3_frag_a(qs, wp, m0, k0, g, q);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) mma_3xbf16(o[n], a, bf3_frag_b_nk(hs, wp, k0, n0 + 8 * n, g, q));
+    }
+    const float ec0 = expf(cum[m0 + g]), ec1 = expf(cum[m0 + g + 8]);
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        o[n][0] *= ec0; o[n][1] *= ec0;
+        o[n][2] *= ec1; o[n][3] *= ec1;
+    }
+    const int kend = min(m0 + 16, L); // Aqk is zero above the diagonal and past L
+    for (int k0 = 0; k0 < kend; k0 += 16) {
+        const Bf3A a = bf3_frag_a(Aq, DN_OUT_AP, m0, k0, g, q);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) mma_3xbf16(o[n], a, bf3_frag_b_kn(vs, DN_OUT_VP, k0, n0 + 8 * n, g, q));
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int i = m0 + g + 8 * hf;
+        if (i >= L) continue;
+        float* orow = (float*)p.o_out + ((i64)(t0 + i) * p.Hv + h) * Dv + j0;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int j = n0 + 8 * n + 2 * q;
+            if (j < bv) *(float2*)&orow[j] = make_float2(o[n][2 * hf], o[n][2 * hf + 1]);
         }
     }
 }

@@ -104,74 +104,68 @@ __device__ __forceinline__ float load_planes(const u16* hi, const u16* lo, i64 i
     return v;
 }
 
-// ---------------------------------------------------------------- TF32 mma.sync in three passes (≈ f32)
-// mma.sync.m16n8k8 with tf32 operands (10 stored mantissa bits), lane = 4·g + q:
-//   A 16×8 row-major: a0 = (row g, k q)  a1 = (row g+8, k q)  a2 = (row g, k q+4)  a3 = (row g+8, k q+4)
-//   B 8×8 (k × n):    b0 = (k q, n g)    b1 = (k q+4, n g)
-//   C 16×8 f32:       c0, c1 = (row g, n 2q, 2q+1)   c2, c3 = (row g+8, n 2q, 2q+1)
-// "3xTF32": each operand x = big + small, both tf32 (big = rna(x), small = rna(x − big), the
-// difference exact in f32), and a·b ≈ small·big + big·small + big·big; the dropped small·small is
-// ~2⁻²² relative, so the products agree with f32 ones at about f32's own rounding, at tensor-core rate.
-struct Tf32A { u32 big[4], small[4]; };
-struct Tf32B { u32 big[2], small[2]; };
-__device__ __forceinline__ u32 tf32_rna(float x) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
+// ---------------------------------------------------------------- f32 products as three bf16 ones
+// "3xbf16": each f32 operand x = hi + lo, both bf16 (hi = rn(x), lo = rn(x − hi): ~16 bits of
+// mantissa between them), and a·b ≈ lo·hi + hi·lo + hi·hi on mma.sync.m16n8k16 (fragments at the
+// top of this file; each register holds two consecutive k). The dropped lo·lo and lo's own rounding
+// leave ~2⁻¹⁷ relative per product: near-f32 results for a third of f32 FMA's cost per MAC on the
+// tensor cores. (3xTF32 on m16n8k8 is more exact, but Hopper runs tf32 mma.sync at ~130 TFLOP/s,
+// measured in the DeltaNet scan: less than half the bf16 rate per MAC.)
+struct Bf3A { u32 hi[4], lo[4]; };
+struct Bf3B { u32 hi[2], lo[2]; };
+// (x0, x1) → packed hi pair and lo pair (low half = x0).
+__device__ __forceinline__ void bf3_split(float x0, float x1, u32& hi, u32& lo) {
+    hi = cvt_bf16x2(x0, x1);
+    lo = cvt_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi));
 }
-__device__ __forceinline__ void tf32_split(float x, u32& big, u32& small) {
-    big = tf32_rna(x);
-    small = tf32_rna(x - __uint_as_float(big));
+__device__ __forceinline__ void bf3_split(float2 v, u32& hi, u32& lo) { bf3_split(v.x, v.y, hi, lo); }
+// c += a·b in three passes (small terms first).
+__device__ __forceinline__ void mma_3xbf16(float* c, const Bf3A& a, const Bf3B& b) {
+    mma_bf16(c, a.lo, b.hi[0], b.hi[1]);
+    mma_bf16(c, a.hi, b.lo[0], b.lo[1]);
+    mma_bf16(c, a.hi, b.hi[0], b.hi[1]);
 }
-__device__ __forceinline__ void mma_tf32(float* c, const u32* a, const u32* b) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// c += a·b in three passes (small terms first: they are the ones rounding would lose).
-__device__ __forceinline__ void mma_3xtf32(float* c, const Tf32A& a, const Tf32B& b) {
-    mma_tf32(c, a.small, b.big);
-    mma_tf32(c, a.big, b.small);
-    mma_tf32(c, a.big, b.big);
-}
-// The A fragment of the 16×8 block at (row m0, column k0) of a row-major f32 tile of pitch P.
-__device__ __forceinline__ Tf32A tf32_frag_a(const float* t, int P, int m0, int k0, int g, int q) {
-    Tf32A a;
-    const float* r0 = t + (m0 + g) * P + k0 + q;
+// Conflict-free pitches (floats): a fragment that reads pairs along rows (bf3_frag_a, bf3_frag_b_nk)
+// wants P ≡ 8 mod 32; one that reads pairs down columns (bf3_frag_at, bf3_frag_b_kn) wants P ≡ 4 mod 8.
+// A: the 16×16 block at (row m0, column k0) of a row-major f32 tile of pitch P.
+__device__ __forceinline__ Bf3A bf3_frag_a(const float* t, int P, int m0, int k0, int g, int q) {
+    Bf3A a;
+    const float* r0 = t + (m0 + g) * P + k0 + 2 * q;
     const float* r1 = r0 + 8 * P;
-    tf32_split(r0[0], a.big[0], a.small[0]);
-    tf32_split(r1[0], a.big[1], a.small[1]);
-    tf32_split(r0[4], a.big[2], a.small[2]);
-    tf32_split(r1[4], a.big[3], a.small[3]);
+    bf3_split(*(const float2*)r0, a.hi[0], a.lo[0]);
+    bf3_split(*(const float2*)r1, a.hi[1], a.lo[1]);
+    bf3_split(*(const float2*)(r0 + 8), a.hi[2], a.lo[2]);
+    bf3_split(*(const float2*)(r1 + 8), a.hi[3], a.lo[3]);
     return a;
 }
-// The A fragment of the block at (m0, k0) of Aᵀ, A[m][k] = t[k·P + m] · s[k] (a tile stored
-// transposed, its rows k scaled by s).
-__device__ __forceinline__ Tf32A tf32_frag_at(const float* t, int P, const float* s, int m0, int k0, int g, int q) {
-    Tf32A a;
-    const float s0 = s[k0 + q], s1 = s[k0 + q + 4];
-    const float* c0 = t + (k0 + q) * P + m0 + g;
-    const float* c1 = c0 + 4 * P;
-    tf32_split(c0[0] * s0, a.big[0], a.small[0]);
-    tf32_split(c0[8] * s0, a.big[1], a.small[1]);
-    tf32_split(c1[0] * s1, a.big[2], a.small[2]);
-    tf32_split(c1[8] * s1, a.big[3], a.small[3]);
+// A: the block at (m0, k0) of A[m][k] = t[k·P + m] · s[k] (a tile stored transposed, rows k scaled).
+__device__ __forceinline__ Bf3A bf3_frag_at(const float* t, int P, const float* s, int m0, int k0, int g, int q) {
+    Bf3A a;
+#pragma unroll
+    for (int kh = 0; kh < 2; ++kh) {
+        const int k = k0 + 8 * kh + 2 * q;
+        const float s0 = s[k], s1 = s[k + 1];
+        const float* c0 = t + k * P + m0 + g;
+        const float* c1 = c0 + P;
+        bf3_split(c0[0] * s0, c1[0] * s1, a.hi[2 * kh], a.lo[2 * kh]);
+        bf3_split(c0[8] * s0, c1[8] * s1, a.hi[2 * kh + 1], a.lo[2 * kh + 1]);
+    }
     return a;
 }
-// The B fragment of the block at (k0, n0) of B[k][n] = t[n·P + k] (rows of n, k contiguous).
-__device__ __forceinline__ Tf32B tf32_frag_b_nk(const float* t, int P, int k0, int n0, int g, int q) {
-    Tf32B b;
-    const float* r = t + (n0 + g) * P + k0 + q;
-    tf32_split(r[0], b.big[0], b.small[0]);
-    tf32_split(r[4], b.big[1], b.small[1]);
+// B: the 16×8 block at (k0, n0) of B[k][n] = t[n·P + k] (rows of n, k contiguous).
+__device__ __forceinline__ Bf3B bf3_frag_b_nk(const float* t, int P, int k0, int n0, int g, int q) {
+    Bf3B b;
+    const float* r = t + (n0 + g) * P + k0 + 2 * q;
+    bf3_split(*(const float2*)r, b.hi[0], b.lo[0]);
+    bf3_split(*(const float2*)(r + 8), b.hi[1], b.lo[1]);
     return b;
 }
-// The B fragment of the block at (k0, n0) of B[k][n] = t[k·P + n] (rows of k, n contiguous).
-__device__ __forceinline__ Tf32B tf32_frag_b_kn(const float* t, int P, int k0, int n0, int g, int q) {
-    Tf32B b;
-    const float* c = t + (k0 + q) * P + n0 + g;
-    tf32_split(c[0], b.big[0], b.small[0]);
-    tf32_split(c[4 * P], b.big[1], b.small[1]);
+// B: the block at (k0, n0) of B[k][n] = t[k·P + n] (rows of k, n contiguous).
+__device__ __forceinline__ Bf3B bf3_frag_b_kn(const float* t, int P, int k0, int n0, int g, int q) {
+    Bf3B b;
+    const float* c = t + (k0 + 2 * q) * P + n0 + g;
+    bf3_split(c[0], c[P], b.hi[0], b.lo[0]);
+    bf3_split(c[8 * P], c[9 * P], b.hi[1], b.lo[1]);
     return b;
 }
 

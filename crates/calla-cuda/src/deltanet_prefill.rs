@@ -14,6 +14,8 @@ use crate::gpu::{DPtr, Gpu, Launch};
 pub const CHUNK: usize = 64;
 const MAX_K: usize = 8;
 const BV: usize = 32;
+/// value columns per block of `prefill_dn_out`
+const OUT_BV: usize = 64;
 
 /// Device buffers of one DeltaNet layer's prompt core.
 #[derive(Debug, Clone, Copy)]
@@ -37,6 +39,8 @@ pub struct DeltaNetPrefillIo {
     pub u: DPtr,
     pub aqk: DPtr,
     pub gcum: DPtr,
+    /// the state before each chunk `[NC, Hv, Dv, Dk]` (tensor-core scan only)
+    pub h: DPtr,
     pub o: DPtr,
     /// output: gated-norm result as planes `[T, Hv·Dv]` (out_proj's input)
     pub y: Planes,
@@ -50,6 +54,7 @@ pub struct DeltaNetScratchSizes {
     pub u: usize,
     pub aqk: usize,
     pub gcum: usize,
+    pub h: usize,
     pub o: usize,
 }
 
@@ -65,6 +70,7 @@ pub fn scratch_sizes(spec: &ModelSpec, t: usize) -> DeltaNetScratchSizes {
         u: t * hv * dv,
         aqk: t.div_ceil(CHUNK) * hv * CHUNK * CHUNK,
         gcum: t * hv,
+        h: t.div_ceil(CHUNK) * hv * dv * dk,
         o: t * hv * dv,
     }
 }
@@ -162,6 +168,40 @@ struct DnScanParams {
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
+struct DnStatesParams {
+    qkvc: u64,
+    w_in: u64,
+    u_io: u64,
+    gcum_in: u64,
+    state: u64,
+    h_out: u64,
+    t: i32,
+    c: i32,
+    hk: i32,
+    hv: i32,
+    dk: i32,
+    dv: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct DnOutParams {
+    qkvc: u64,
+    v_in: u64,
+    aqk_in: u64,
+    gcum_in: u64,
+    h_in: u64,
+    o_out: u64,
+    t: i32,
+    c: i32,
+    hk: i32,
+    hv: i32,
+    dk: i32,
+    dv: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
 struct DnNormParams {
     o: u64,
     z: u64,
@@ -175,11 +215,11 @@ struct DnNormParams {
     out_f16: u64,
 }
 
-/// The scan runs on tensor cores (`prefill_dn_scan_tc`, 3xTF32, ≈ f32) where the key head dim is a
-/// multiple of 8, else on CUDA cores (`prefill_dn_scan`); `CALLA_DN_SCAN=simt` picks the CUDA-core
-/// kernel everywhere (for A/B measurements).
+/// The scan runs on tensor cores (`prefill_dn_states` then `prefill_dn_out`, 3xbf16, near f32) where
+/// the key head dim is a multiple of 16, else on CUDA cores (`prefill_dn_scan`); `CALLA_DN_SCAN=simt`
+/// picks the CUDA-core kernel everywhere (for A/B measurements).
 fn scan_on_tensor_cores(dk: usize) -> bool {
-    dk % 8 == 0 && std::env::var("CALLA_DN_SCAN").as_deref() != Ok("simt")
+    dk % 16 == 0 && std::env::var("CALLA_DN_SCAN").as_deref() != Ok("simt")
 }
 
 /// The launches of one layer's DeltaNet core for `t` tokens at positions `p0..p0+t`.
@@ -280,41 +320,88 @@ pub fn prefill_core(
         &chunk,
     )?);
 
-    let scan = DnScanParams {
-        qkvc: io.conv_out.0,
-        w_in: io.w.0,
-        u_in: io.u.0,
-        aqk_in: io.aqk.0,
-        gcum_in: io.gcum.0,
-        state: io.state.0,
-        o_out: io.o.0,
-        t: ti,
-        c: ci,
-        hk: dims.0,
-        hv: dims.1,
-        dk: dims.2,
-        dv: dims.3,
-    };
-    let (scan_kernel, scan_smem) = if scan_on_tensor_cores(dk) {
-        // (kernel layout: W, q rows and the S planes of Dk + 4 floats; k rows of ⌈Dk/32⌉·32 + 8;
-        // U, v', q·S [64, 40]; Aqk [64, 68]; cumulative gates and decays)
-        let k_pitch = dk.next_multiple_of(32) + 8;
-        let floats = (2 * CHUNK + 2 * BV) * (dk + 4) + CHUNK * k_pitch + CHUNK * (3 * 40 + 68) + 2 * CHUNK;
-        ("prefill_dn_scan_tc", floats * 4)
+    if scan_on_tensor_cores(dk) {
+        // the sequential part: v' (over U) and the state before each chunk
+        let states = DnStatesParams {
+            qkvc: io.conv_out.0,
+            w_in: io.w.0,
+            u_io: io.u.0,
+            gcum_in: io.gcum.0,
+            state: io.state.0,
+            h_out: io.h.0,
+            t: ti,
+            c: ci,
+            hk: dims.0,
+            hv: dims.1,
+            dk: dims.2,
+            dv: dims.3,
+        };
+        // (kernel layout, two buffers of: W rows of ⌈Dk/32⌉·32 + 8 floats, k rows of Dk + 4, U rows
+        // of 40, gates; then v' [64, 36], decays, and the S planes [32, ⌈Dk/16⌉·8 + 4] ×2 in words)
+        let w_pitch = dk.next_multiple_of(32) + 8;
+        let s_pitch = (dk / 2).next_multiple_of(8) + 4;
+        let floats =
+            2 * CHUNK * (w_pitch + dk + 4 + 40) + CHUNK * 36 + 3 * CHUNK + 2 * BV * s_pitch;
+        out.push(Launch::new(
+            gpu,
+            "prefill_dn_states",
+            (dv.div_ceil(BV) as u32, hv as u32, 1),
+            256,
+            (floats * 4) as u32,
+            &states,
+        )?);
+        let o = DnOutParams {
+            qkvc: io.conv_out.0,
+            v_in: io.u.0,
+            aqk_in: io.aqk.0,
+            gcum_in: io.gcum.0,
+            h_in: io.h.0,
+            o_out: io.o.0,
+            t: ti,
+            c: ci,
+            hk: dims.0,
+            hv: dims.1,
+            dk: dims.2,
+            dv: dims.3,
+        };
+        // (kernel layout: q rows and h rows of ⌈Dk/32⌉·32 + 8 floats; Aqk [64, 72]; v' [64, 68]; gates)
+        let floats = 2 * CHUNK * (dk.next_multiple_of(32) + 8) + CHUNK * (72 + 68) + CHUNK;
+        out.push(Launch::new(
+            gpu,
+            "prefill_dn_out",
+            (nc as u32, hv as u32, dv.div_ceil(OUT_BV) as u32),
+            256,
+            (floats * 4) as u32,
+            &o,
+        )?);
     } else {
+        let scan = DnScanParams {
+            qkvc: io.conv_out.0,
+            w_in: io.w.0,
+            u_in: io.u.0,
+            aqk_in: io.aqk.0,
+            gcum_in: io.gcum.0,
+            state: io.state.0,
+            o_out: io.o.0,
+            t: ti,
+            c: ci,
+            hk: dims.0,
+            hv: dims.1,
+            dk: dims.2,
+            dv: dims.3,
+        };
         // (kernel layout: W, q, k rows and the S tile of Dk + 4 floats; U [64, 33]; v' [64, 36];
         // Aqk [64, 65]; cumulative gates and decays)
         let floats = (3 * CHUNK + BV) * (dk + 4) + CHUNK * (33 + 36 + 65) + 2 * CHUNK;
-        ("prefill_dn_scan", floats * 4)
-    };
-    out.push(Launch::new(
-        gpu,
-        scan_kernel,
-        (dv.div_ceil(BV) as u32, hv as u32, 1),
-        256,
-        scan_smem as u32,
-        &scan,
-    )?);
+        out.push(Launch::new(
+            gpu,
+            "prefill_dn_scan",
+            (dv.div_ceil(BV) as u32, hv as u32, 1),
+            256,
+            (floats * 4) as u32,
+            &scan,
+        )?);
+    }
 
     let norm = DnNormParams {
         o: io.o.0,

@@ -233,6 +233,7 @@ pub fn prefill_mixer(
                         u: s.dn_u,
                         aqk: s.dn_aqk,
                         gcum: s.dn_gcum,
+                        h: s.dn_h,
                         o: s.dn_o,
                         y: s.dn_y.for_precision(precision_of(
                             gpu,

@@ -37,6 +37,7 @@ pub struct PrefillScratch {
     pub dn_u: DPtr,
     pub dn_aqk: DPtr,
     pub dn_gcum: DPtr,
+    pub dn_h: DPtr,
     pub dn_o: DPtr,
     pub dn_y: Planes,
     pub at_qg: DPtr,
@@ -71,24 +72,26 @@ fn mixer_regions(spec: &ModelSpec, tm: usize) -> Vec<Region> {
     let f = |n: usize| n * 4;
     let plane = |n: usize| n * 2;
     // DeltaNet: 0 in_proj GEMMs, 1 conv (qkv → conv_out), 2 ring (reads qkv), 3 chunk (conv_out,
-    // a, b → w, u, aqk, gcum), 4 scan (→ o), 5 gated norm (o, z → y), 6 out_proj (y → h)
+    // a, b → w, u, aqk, gcum), 4 states (conv_out, w, u, gcum → v' over u, h; or the CUDA-core scan
+    // → o), 5 out (conv_out, u, aqk, gcum, h → o), 6 gated norm (o, z → y), 7 out_proj (y → h)
     let dn_at = |a: usize, b: usize| (DN_STEPS + a, DN_STEPS + b);
     // attention: 0 in_proj GEMMs, 1 prep (qg, k, v → q, caches), 2 flash (q, qg's gate → y),
     // 3 o_proj (y → h)
     let at_at = |a: usize, b: usize| (ATTN_STEPS + a, ATTN_STEPS + b);
     vec![
         Region::new("dn.qkv", f(tm * spec.linear_conv_dim()), dn_at(0, 2)),
-        Region::new("dn.z", f(tm * vd), dn_at(0, 5)),
+        Region::new("dn.z", f(tm * vd), dn_at(0, 6)),
         Region::new("dn.b", f(tm * spec.linear_num_value_heads), dn_at(0, 3)),
         Region::new("dn.a", f(tm * spec.linear_num_value_heads), dn_at(0, 3)),
-        Region::new("dn.conv_out", f(dn.conv_out), dn_at(1, 4)),
+        Region::new("dn.conv_out", f(dn.conv_out), dn_at(1, 5)),
         Region::new("dn.w", f(dn.w), dn_at(3, 4)),
-        Region::new("dn.u", f(dn.u), dn_at(3, 4)),
-        Region::new("dn.aqk", f(dn.aqk), dn_at(3, 4)),
-        Region::new("dn.gcum", f(dn.gcum), dn_at(3, 4)),
-        Region::new("dn.o", f(dn.o), dn_at(4, 5)),
-        Region::new("dn.y.hi", plane(tm * vd), dn_at(5, 6)),
-        Region::new("dn.y.lo", plane(tm * vd), dn_at(5, 6)),
+        Region::new("dn.u", f(dn.u), dn_at(3, 5)),
+        Region::new("dn.aqk", f(dn.aqk), dn_at(3, 5)),
+        Region::new("dn.gcum", f(dn.gcum), dn_at(3, 5)),
+        Region::new("dn.h", f(dn.h), dn_at(4, 5)),
+        Region::new("dn.o", f(dn.o), dn_at(4, 6)),
+        Region::new("dn.y.hi", plane(tm * vd), dn_at(6, 7)),
+        Region::new("dn.y.lo", plane(tm * vd), dn_at(6, 7)),
         Region::new("at.qg", f(tm * spec.q_proj_rows()), at_at(0, 2)),
         Region::new("at.k", f(tm * spec.kv_dim()), at_at(0, 1)),
         Region::new("at.v", f(tm * spec.kv_dim()), at_at(0, 1)),
@@ -226,6 +229,7 @@ impl PrefillScratch {
             dn_u: at("dn.u")?,
             dn_aqk: at("dn.aqk")?,
             dn_gcum: at("dn.gcum")?,
+            dn_h: at("dn.h")?,
             dn_o: at("dn.o")?,
             dn_y: planes("dn.y", spec.linear_value_dim())?,
             at_qg: at("at.qg")?,
