@@ -6,7 +6,7 @@ export CALLA_KERNEL_CACHE=$PWD/.gpu-bin/kernel-cache CALLA_REQUIRE_GPU=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 echo "binaries of $(cat .gpu-bin/COMMIT | tr '\n' ' ')"
 t() { local name=$1; shift; timeout "${TT:-150}" ".gpu-bin/$name" --ignored --nocapture --test-threads=1 "$@" > "$OUT/$name.log" 2>&1; echo "== $name $*: exit $? $(grep -c '^ok ' "$OUT/$name.log") ok, $(grep -c '^FAIL' "$OUT/$name.log") FAIL"; grep -E '^FAIL|panicked' "$OUT/$name.log" | head -8; }
-lab() { timeout 200 .gpu-bin/lab_prefill 8192 > "$OUT/lab-$1.log" 2>&1; echo "== lab $1 (rc $?)"; grep -E 'scan|chunk|states|dn_out|DeltaNet mixer|whole|estimate' "$OUT/lab-$1.log" | head -12; }
+lab() { timeout 200 .gpu-bin/lab_prefill 8192 > "$OUT/lab-$1.log" 2>&1; echo "== lab $1 (rc $?)"; grep -E 'scan|chunk|states|dn_out|mixer|MoE block|estimate' "$OUT/lab-$1.log" | sort -u | head -12; }
 for step in ${STEP:-dn}; do
 case $step in
 dn) t prefill_deltanet; grep -E 'real|T=1000' "$OUT/prefill_deltanet.log" | head -20 ;;

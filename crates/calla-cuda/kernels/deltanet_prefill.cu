@@ -37,6 +37,8 @@
 
 __device__ __forceinline__ float dn_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ int dn_slot(int pos, int K) { return ((pos % K) + K) % K; }
+// Pitch (floats) of rows whose mma fragments read pairs along the row (mma.cuh: ≡ 8 mod 32).
+__host__ __device__ __forceinline__ int dn_pair_pitch(int n) { return ((n + 31) & ~31) + 8; }
 
 // Copy a [rows, width] f32 tile (row r at src + r·stride; rows ≥ valid become zeros) into shared rows
 // of `pitch` floats with 16-byte loads, eight in flight per thread before any is stored (the loads
@@ -291,6 +293,180 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunk
     if (tid < L) ((float*)p.gcum_out)[(i64)(t0 + tid) * p.Hv + h] = cum[tid];
 }
 
+// ---------------------------------------------------------------- per-chunk UT transform on tensor cores
+// prefill_dn_chunk's work in 3xbf16 products (mma.cuh), grid (⌈T/64⌉, Hv), block 256, the same
+// params and outputs, for Dk % 16 == 0 and Dv % 8 == 0:
+//   1. K·Kᵀ and Q·Kᵀ (warp → one product's 16 rows × the 64 columns up to the diagonal), masked and
+//      decayed in registers: A into shared memory, Aqk to global.
+//   2. The UT solve (I + A)·X = [β v | β k e^c] by 16-row blocks: the four 16×16 diagonal blocks
+//      inverted on CUDA cores (one thread per column, into A's diagonal), then per block b
+//      X_b = (I + A_bb)⁻¹ (RHS_b − Σ_{c<b} A_bc X_c) as products, each warp on its own columns of X
+//      (no barriers between blocks), and X_b written to U and W straight from the registers.
+// smem: max(2·64·wp, 64·(Dv + Dk + 4)) + 64·72 + 128 floats (89 KiB at Dk = Dv = 128: two blocks/SM).
+#define DN_CH_AP 72 // A rows
+
+extern "C" __global__ void __launch_bounds__(256, 2) prefill_dn_chunk_tc(const DnChunkParams p) {
+    extern __shared__ __align__(16) float sm[];
+    const int chunk = blockIdx.x, h = blockIdx.y, kh = h / (p.Hv / p.Hk);
+    const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
+    const int Dk = p.Dk, Dv = p.Dv, wp = dn_pair_pitch(Dk), cols = Dv + Dk, xp = cols + 4;
+    const int region = max(2 * DN_CHUNK * wp, DN_CHUNK * xp);
+    float* qs = sm;                  // phase 1: [64, wp]
+    float* ks = sm + DN_CHUNK * wp;  // phase 1: [64, wp]
+    float* X = sm;                   // phase 2: [64, xp] = [v | k] rows, then the solution (aliases qs, ks)
+    float* As = sm + region;         // [64, 72]
+    float* cum = As + DN_CHUNK * DN_CH_AP; // [64]
+    float* beta = cum + DN_CHUNK;    // [64]
+    const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, q = tid & 3;
+    const float* x = (const float*)p.qkvc;
+    const i64 q_col = (i64)kh * Dk, k_col = (i64)p.Hk * Dk + (i64)kh * Dk, v_col = 2 * (i64)p.Hk * Dk + (i64)h * Dv;
+
+    dn_copy_tile<true>(qs, wp, x + (i64)t0 * p.C + q_col, p.C, DN_CHUNK, L, Dk);
+    dn_copy_tile<true>(ks, wp, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
+    cp_async_commit();
+    if (tid < DN_CHUNK) {
+        float gt = 0.0f, bt = 0.0f;
+        if (tid < L) {
+            const i64 r = (i64)(t0 + tid) * p.Hv + h;
+            const float a = ((const float*)p.a)[r] + ((const float*)p.dt_bias)[h];
+            gt = -expf(((const float*)p.a_log)[h]) * dn_softplus(a);
+            bt = sigmoid_f(((const float*)p.b)[r]);
+        }
+        cum[tid] = gt; // log decay, summed below
+        beta[tid] = bt;
+    }
+    __syncthreads();
+    if (tid == 0) { // c_i = Σ_{j≤i} g_j, in order (as the CPU)
+        float run = 0.0f;
+        for (int i = 0; i < DN_CHUNK; ++i) { run += cum[i]; cum[i] = run; }
+    }
+    cp_async_wait<0>();
+    __syncthreads(); // q, k rows and the cumulative gates
+
+    { // 1. warps 0–3: A = β_i (k_i·k_j) e^{c_i−c_j} (j < i); warps 4–7: Aqk = (q_i·k_j) e^{c_i−c_j} (j ≤ i)
+        const bool is_a = warp < 4;
+        const int m0 = 16 * (warp & 3), ntl = 2 * (warp & 3) + 2; // n-tiles up to the diagonal block
+        const float* Am = is_a ? ks : qs;
+        float acc[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+        for (int k0 = 0; k0 < Dk; k0 += 16) {
+            const Bf3A a = bf3_frag_a(Am, wp, m0, k0, g, q);
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+                if (n < ntl) mma_3xbf16(acc[n], a, bf3_frag_b_nk(ks, wp, k0, 8 * n, g, q));
+        }
+        float* aqk = (float*)p.aqk_out + ((i64)chunk * p.Hv + h) * DN_CHUNK * DN_CHUNK;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            if (n >= ntl) continue;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = m0 + g + 8 * hf, j = 8 * n + 2 * q;
+                float v[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int jj = j + e;
+                    const bool in = i < L && jj < L && (is_a ? jj < i : jj <= i);
+                    v[e] = in ? acc[n][2 * hf + e] * expf(cum[i] - cum[jj]) * (is_a ? beta[i] : 1.0f) : 0.0f;
+                }
+                if (is_a) *(float2*)&As[i * DN_CH_AP + j] = make_float2(v[0], v[1]);
+                else *(float2*)&aqk[i * DN_CHUNK + j] = make_float2(v[0], v[1]);
+            }
+        }
+    }
+    __syncthreads(); // A complete; q, k free
+
+    // the right-hand sides' raw rows [v | k] (scaled when they are read), while the diagonal blocks invert
+    dn_copy_tile<true>(X, xp, x + (i64)t0 * p.C + v_col, p.C, DN_CHUNK, L, Dv);
+    dn_copy_tile<true>(X + Dv, xp, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
+    cp_async_commit();
+    if (tid < DN_CHUNK) { // (I + A_bb)⁻¹, column c of block b: x_c = 1, x_i = −Σ_{c≤j<i} A_ij x_j
+        const int b = tid >> 4, c = tid & 15;
+        const float* Ab = As + (16 * b) * DN_CH_AP + 16 * b;
+        float xc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            float v = i == c ? 1.0f : 0.0f;
+            if (i > c) {
+#pragma unroll
+                for (int j = 0; j < i; ++j)
+                    if (j >= c) v = fmaf(-Ab[i * DN_CH_AP + j], xc[j], v);
+            }
+            xc[i] = v;
+        }
+        __syncwarp(); // (threads 0–63: warps 0–1) every read of this block's A done before the writes
+        float* Ib = As + (16 * b) * DN_CH_AP + 16 * b;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) Ib[i * DN_CH_AP + c] = xc[i];
+    }
+    cp_async_wait<0>();
+    __syncthreads(); // the inverses and the raw rows
+
+    // 2. each warp its n-tiles of 8 columns of X: nt = warp + 8r
+    const int ncols8 = cols >> 3, nblocks = (L + 15) >> 4;
+    for (int b = 0; b < nblocks; ++b) {
+        float acc[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[r][e] = 0.0f;
+        for (int c = 0; c < b; ++c) { // Σ_{c<b} A_bc X_c
+            const Bf3A a = bf3_frag_a(As, DN_CH_AP, 16 * b, 16 * c, g, q);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int nt = warp + 8 * r;
+                if (nt < ncols8) mma_3xbf16(acc[r], a, bf3_frag_b_kn(X, xp, 16 * c, 8 * nt, g, q));
+            }
+        }
+        // R_b = RHS_b − Σ, over the raw rows of block b (each warp only touches its own columns)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int nt = warp + 8 * r;
+            if (nt >= ncols8) continue;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = 16 * b + g + 8 * hf, j = 8 * nt + 2 * q; // j, j + 1 on the same side of Dv
+                const float sc = beta[i] * (j < Dv ? 1.0f : expf(cum[i]));
+                float2* px = (float2*)&X[i * xp + j];
+                const float2 raw = *px;
+                *px = make_float2(sc * raw.x - acc[r][2 * hf], sc * raw.y - acc[r][2 * hf + 1]);
+            }
+        }
+        __syncwarp();
+        const Bf3A ainv = bf3_frag_a(As, DN_CH_AP, 16 * b, 16 * b, g, q);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int nt = warp + 8 * r;
+            if (nt >= ncols8) continue;
+            float xb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_3xbf16(xb, ainv, bf3_frag_b_kn(X, xp, 16 * b, 8 * nt, g, q));
+            acc[r][0] = xb[0]; acc[r][1] = xb[1]; acc[r][2] = xb[2]; acc[r][3] = xb[3];
+        }
+        __syncwarp(); // every lane's reads of R_b done
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int nt = warp + 8 * r;
+            if (nt >= ncols8) continue;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = 16 * b + g + 8 * hf, j = 8 * nt + 2 * q;
+                const float2 v = make_float2(acc[r][2 * hf], acc[r][2 * hf + 1]);
+                *(float2*)&X[i * xp + j] = v;
+                if (i < L) {
+                    const i64 row = (i64)(t0 + i) * p.Hv + h;
+                    if (j < Dv) *(float2*)&((float*)p.u_out)[row * Dv + j] = v;
+                    else *(float2*)&((float*)p.w_out)[row * Dk + (j - Dv)] = v;
+                }
+            }
+        }
+        __syncwarp();
+    }
+    if (tid < L) ((float*)p.gcum_out)[(i64)(t0 + tid) * p.Hv + h] = cum[tid];
+}
+
 // ---------------------------------------------------------------- sequential scan over chunks
 struct DnScanParams {
     u64 qkvc;      // [T, C] conv output (q, k)
@@ -481,7 +657,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan(const DnSca
 #define DN_OUT_AP 72 // Aqk rows
 #define DN_OUT_VP 68 // v' rows in prefill_dn_out
 
-__host__ __device__ __forceinline__ int dn_pair_pitch(int n) { return ((n + 31) & ~31) + 8; }
 
 struct DnStatesParams {
     u64 qkvc;    // [T, C] conv output (k)

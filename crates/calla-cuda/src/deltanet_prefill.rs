@@ -215,11 +215,14 @@ struct DnNormParams {
     out_f16: u64,
 }
 
-/// The scan runs on tensor cores (`prefill_dn_states` then `prefill_dn_out`, 3xbf16, near f32) where
-/// the key head dim is a multiple of 16, else on CUDA cores (`prefill_dn_scan`); `CALLA_DN_SCAN=simt`
-/// picks the CUDA-core kernel everywhere (for A/B measurements).
-fn scan_on_tensor_cores(dk: usize) -> bool {
-    dk % 16 == 0 && std::env::var("CALLA_DN_SCAN").as_deref() != Ok("simt")
+/// The chunk transform and the scan run on tensor cores (`prefill_dn_chunk_tc`, then
+/// `prefill_dn_states` and `prefill_dn_out`; 3xbf16, near f32) where the key head dim is a multiple
+/// of 16 and the value head dim of 8, else on CUDA cores (`prefill_dn_chunk`, `prefill_dn_scan`);
+/// `CALLA_DN_SCAN=simt` picks the CUDA-core kernels everywhere (for A/B measurements). The two
+/// paths' intermediates differ (the tensor-core chunk kernel leaves Aqk's upper blocks unwritten,
+/// which only the tensor-core scan tolerates), so one choice holds for both.
+fn on_tensor_cores(dk: usize, dv: usize) -> bool {
+    dk % 16 == 0 && dv % 8 == 0 && std::env::var("CALLA_DN_SCAN").as_deref() != Ok("simt")
 }
 
 /// The launches of one layer's DeltaNet core for `t` tokens at positions `p0..p0+t`.
@@ -308,19 +311,27 @@ pub fn prefill_core(
         dk: dims.2,
         dv: dims.3,
     };
-    // (kernel layout: q, k rows of Dk + 4 floats, aliased later by [U | W]; A; cumulative gates; β)
-    let region = (2 * CHUNK * (dk + 4)).max(CHUNK * (dv + dk));
-    let chunk_smem = (region + CHUNK * 68 + 2 * CHUNK) * 4; // A rows of 68: float4 reads
+    let tc = on_tensor_cores(dk, dv);
+    let (chunk_kernel, chunk_smem) = if tc {
+        // (kernel layout: q, k rows of ⌈Dk/32⌉·32 + 8 floats, aliased later by the [v | k] rows of
+        // Dv + Dk + 4; A [64, 72]; cumulative gates; β)
+        let region = (2 * CHUNK * (dk.next_multiple_of(32) + 8)).max(CHUNK * (dv + dk + 4));
+        ("prefill_dn_chunk_tc", (region + CHUNK * 72 + 2 * CHUNK) * 4)
+    } else {
+        // (kernel layout: q, k rows of Dk + 4 floats, aliased later by [U | W]; A; cumulative gates; β)
+        let region = (2 * CHUNK * (dk + 4)).max(CHUNK * (dv + dk));
+        ("prefill_dn_chunk", (region + CHUNK * 68 + 2 * CHUNK) * 4) // A rows of 68: float4 reads
+    };
     out.push(Launch::new(
         gpu,
-        "prefill_dn_chunk",
+        chunk_kernel,
         (nc as u32, hv as u32, 1),
         256,
         chunk_smem as u32,
         &chunk,
     )?);
 
-    if scan_on_tensor_cores(dk) {
+    if tc {
         // the sequential part: v' (over U) and the state before each chunk
         let states = DnStatesParams {
             qkvc: io.conv_out.0,
