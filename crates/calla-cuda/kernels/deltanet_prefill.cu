@@ -651,6 +651,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan(const DnSca
 //   prefill_dn_out     parallel over (chunk, head, 64 value columns): o = e^{c} ⊙ q·hᵀ + Aqk·v'.
 // Pitches (floats) as mma.cuh's fragment loaders want them: rows read in pairs along k (W, q, h,
 // Aqk) ⌈·/32⌉·32 + 8; tiles read down columns (k, v') ≡ 4 mod 8. Both need Dk % 16 == 0, Dk ≤ 128.
+#define DN_ST_WARPS 16 // prefill_dn_states' warps, 8 or 16 (deltanet_prefill.rs STATES_THREADS)
 #define DN_TC_UP 40  // U rows (16-byte copies)
 #define DN_TC_VP 36  // v' rows in prefill_dn_states
 #define DN_OUT_BV 64
@@ -668,16 +669,17 @@ struct DnStatesParams {
     int T, C, Hk, Hv, Dk, Dv;
 };
 
-// grid (⌈Dv/32⌉, Hv), block 256 (8 warps, lane = 4g + q), one block per SM. Per chunk, between two
-// barriers: phase A, v' (warp → 16 token rows × 16 columns, K = Dk), then phase B, the state update
-// (the S tiles live in registers as f32: warp → 16 columns j × 4 n-tiles of 8 key dims, n-tile
-// (warp/2) + 4r), after which S is published to shared memory as packed bf16 hi and lo pairs (the
+// grid (⌈Dv/32⌉, Hv), block 32·DN_ST_WARPS (16 warps, lane = 4g + q), one block per SM. Per chunk,
+// between two barriers: phase A, v' (warp → 16 token rows × 8 columns, K = Dk), then phase B, the
+// state update (the S tiles live in registers as f32: warp → 16 columns j × 2 n-tiles of 8 key
+// dims, n-tile (warp/2) + 8r). 16 warps instead of 8 halve each warp's chain of dependent products
+// (the recurrence is latency-bound: one block per head slice, one chunk after another), after which S is published to shared memory as packed bf16 hi and lo pairs (the
 // B fragments of the next chunk's phase A). The next chunk's W, k, U and gates are copied into the
 // other buffer while this one computes. smem: 2·64·(wp + Dk + 4 + 40) + 64·36 + 192 floats + 2·32·
 // (Dk/2 + 4 rounded) words, wp = ⌈Dk/32⌉·32 + 8 (186 KiB at Dk 128). Lab switches
 // (CALLA_NVRTC_DEFINES; wrong results): DN_TC_LAB_NO_COPY (only the first two chunks' tiles are
 // copied), DN_TC_LAB_NO_MMA (no products), DN_TC_LAB_NO_STORE (no h, no v' stores).
-extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_states(const DnStatesParams p) {
+extern "C" __global__ void __launch_bounds__(32 * DN_ST_WARPS, 1) prefill_dn_states(const DnStatesParams p) {
     extern __shared__ __align__(16) float sm[];
     const int h = blockIdx.y, kh = h / (p.Hv / p.Hk), j0 = blockIdx.x * DN_BV;
     const int Dk = p.Dk, Dv = p.Dv, bv = min(DN_BV, Dv - j0);
@@ -697,13 +699,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_states(const DnS
     const i64 k_col = (i64)p.Hk * Dk + (i64)kh * Dk;
 
     // This warp's S tiles: columns j = 16·(warp & 1) + g (+8), key dims d = 8·nt + 2q (+1),
-    // nt = (warp >> 1) + 4r. Element e of tile r: j + 8·(e >> 1), d + (e & 1).
+    // nt = (warp >> 1) + (NW/2)·r. Element e of tile r: j + 8·(e >> 1), d + (e & 1).
+    constexpr int NW = DN_ST_WARPS, ST = 32 / NW, AT = 16 / NW; // S tiles, v' tiles per warp
     const int s_m0 = 16 * (warp & 1);
-    float s_reg[4][4];
+    float s_reg[ST][4];
     auto publish_s = [&]() {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int nt = (warp >> 1) + 4 * r;
+        for (int r = 0; r < ST; ++r) {
+            const int nt = (warp >> 1) + (NW / 2) * r;
             if (nt < ntiles)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
@@ -713,8 +716,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_states(const DnS
         }
     };
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int nt = (warp >> 1) + 4 * r;
+    for (int r = 0; r < ST; ++r) {
+        const int nt = (warp >> 1) + (NW / 2) * r;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int j = s_m0 + g + 8 * (e >> 1), d = 8 * nt + 2 * q + (e & 1);
@@ -756,8 +759,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_states(const DnS
         { // the state before this chunk, for prefill_dn_out
             float* hs = (float*)p.h_out + (((i64)chunk * p.Hv + h) * Dv + j0) * Dk;
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int nt = (warp >> 1) + 4 * r;
+            for (int r = 0; r < ST; ++r) {
+                const int nt = (warp >> 1) + (NW / 2) * r;
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     const int j = s_m0 + g + 8 * hf, d = 8 * nt + 2 * q;
@@ -769,11 +772,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_states(const DnS
         const float c_last = cm[L - 1];
         if (tid < DN_CHUNK) ek[tid] = tid < L ? expf(c_last - cm[tid]) : 0.0f;
 
-        { // phase A: v' = U − W·Sᵀ, rows 16·(warp >> 1), columns 16·(warp & 1) + 8n
-            const int m0 = 16 * (warp >> 1), n0 = 16 * (warp & 1);
-            float acc[2][4];
+        { // phase A: v' = U − W·Sᵀ, rows 16·(warp / (NW/4)), columns n0 + 8n (n < AT)
+            const int m0 = 16 * (warp / (NW / 4)), n0 = 8 * AT * (warp % (NW / 4));
+            float acc[AT][4];
 #pragma unroll
-            for (int n = 0; n < 2; ++n)
+            for (int n = 0; n < AT; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
 #ifndef DN_TC_LAB_NO_MMA
@@ -781,7 +784,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_states(const DnS
             for (int k0 = 0; k0 < Dk; k0 += 16) {
                 const Bf3A a = bf3_frag_a(W, wp, m0, k0, g, q);
 #pragma unroll
-                for (int n = 0; n < 2; ++n) {
+                for (int n = 0; n < AT; ++n) {
                     const int o = (n0 + 8 * n + g) * sp + k0 / 2 + q; // Sᵀ as B: B[d][j] = S[j][d]
                     Bf3B bf;
                     bf.hi[0] = Shi[o];
@@ -793,7 +796,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_states(const DnS
             }
 #endif
 #pragma unroll
-            for (int n = 0; n < 2; ++n)
+            for (int n = 0; n < AT; ++n)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     const int i = m0 + g + 8 * hf, j = n0 + 8 * n + 2 * q;
@@ -810,7 +813,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_states(const DnS
         { // phase B: S ← e^{c_L} S + Σ_i (v'_ij e^{c_L−c_i}) k_id; rows ≥ L of v' are zero (so is ek)
             const float decay = expf(c_last);
 #pragma unroll
-            for (int r = 0; r < 4; ++r)
+            for (int r = 0; r < ST; ++r)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s_reg[r][e] *= decay;
 #ifndef DN_TC_LAB_NO_MMA
@@ -818,8 +821,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_states(const DnS
             for (int k0 = 0; k0 < L; k0 += 16) {
                 const Bf3A a = bf3_frag_at(vn, DN_TC_VP, ek, s_m0, k0, g, q);
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int nt = (warp >> 1) + 4 * r;
+                for (int r = 0; r < ST; ++r) {
+                    const int nt = (warp >> 1) + (NW / 2) * r;
                     if (nt < ntiles) mma_3xbf16(s_reg[r], a, bf3_frag_b_kn(K, kp, k0, 8 * nt, g, q));
                 }
             }
@@ -829,8 +832,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_states(const DnS
     }
     cp_async_wait<0>();
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int nt = (warp >> 1) + 4 * r;
+    for (int r = 0; r < ST; ++r) {
+        const int nt = (warp >> 1) + (NW / 2) * r;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int j = s_m0 + g + 8 * (e >> 1), d = 8 * nt + 2 * q + (e & 1);

@@ -14,6 +14,8 @@ use crate::gpu::{DPtr, Gpu, Launch};
 pub const CHUNK: usize = 64;
 const MAX_K: usize = 8;
 const BV: usize = 32;
+/// threads of `prefill_dn_states` (32·DN_ST_WARPS in the kernel)
+const STATES_THREADS: u32 = 512;
 /// value columns per block of `prefill_dn_out`
 const OUT_BV: usize = 64;
 
@@ -357,7 +359,7 @@ pub fn prefill_core(
             gpu,
             "prefill_dn_states",
             (dv.div_ceil(BV) as u32, hv as u32, 1),
-            256,
+            STATES_THREADS,
             (floats * 4) as u32,
             &states,
         )?);
