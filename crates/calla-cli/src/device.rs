@@ -24,10 +24,11 @@ split (≈ f32, default), half (f16 activations × f16-rounded q4 weights: ~1.6�
 Hopper, ~5e-3 in log-probabilities at the real shape; split where it cannot run), fast (bf16 \
 activations everywhere), auto (by weight format: fast for bf16/quantised, split for f32/f16), \
 mixed (routed experts auto, the rest split), experts-up / experts-down (only that routed product \
-auto), ffn (routed + shared experts auto); or presets and \
-GROUP=fast|split|half|auto overrides, comma-separated, GROUP one of mixer-in, mixer-out, mixer, \
-experts-gate-up, experts-down, experts, shared (e.g. mixed,shared=auto). The MoE router is always \
-split";
+auto), ffn (routed + shared experts auto), balanced (half, but the DeltaNet in-projections \
+split: passes the parity checks, ~30K tok/s at 8K); or presets and \
+GROUP=fast|split|half|auto overrides, comma-separated, GROUP one of deltanet-in, attention-in, \
+mixer-in (both), mixer-out, mixer, experts-gate-up, experts-down, experts, shared (e.g. \
+mixed,shared=auto). The MoE router is always split";
 
 /// K/V cache element type of the CUDA engine (`--kv-cache`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

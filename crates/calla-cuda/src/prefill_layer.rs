@@ -191,9 +191,13 @@ pub fn prefill_mixer(
         DevMixer::DeltaNet(w) => &w.in_proj,
         DevMixer::Attention(w) => &w.in_proj,
     };
+    let in_product = match &l.mixer {
+        DevMixer::DeltaNet(_) => Product::DeltaNetIn,
+        DevMixer::Attention(_) => Product::AttentionIn,
+    };
     let readers = in_proj
         .iter()
-        .map(|m| precision_of(gpu, m, Product::MixerIn, opts));
+        .map(|m| precision_of(gpu, m, in_product, opts));
     let mut out = vec![gemm::rmsnorm_planes(
         gpu,
         h,
@@ -210,7 +214,7 @@ pub fn prefill_mixer(
         match (&l.mixer, state) {
             (DevMixer::DeltaNet(w), LayerState::DeltaNet { conv_ring, state }) => {
                 for (m, dst) in w.in_proj.iter().zip([s.dn_qkv, s.dn_z, s.dn_b, s.dn_a]) {
-                    out.push(project(gpu, xn, n, m, Product::MixerIn, dst, false, opts)?);
+                    out.push(project(gpu, xn, n, m, in_product, dst, false, opts)?);
                 }
                 out.extend(deltanet_prefill::prefill_core(
                     gpu,
@@ -265,7 +269,7 @@ pub fn prefill_mixer(
             ) => {
                 let o_prec = precision_of(gpu, &w.o_proj, Product::MixerOut, opts);
                 for (m, dst) in w.in_proj.iter().zip([s.at_qg, s.at_k, s.at_v]) {
-                    out.push(project(gpu, xn, n, m, Product::MixerIn, dst, false, opts)?);
+                    out.push(project(gpu, xn, n, m, in_product, dst, false, opts)?);
                 }
                 out.extend(attention_prefill::prefill_core(
                     gpu,
