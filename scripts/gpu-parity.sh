@@ -21,7 +21,7 @@ REAL=/tmp/calla-real-shape
 echo "commit $(cat $BIN/COMMIT 2>/dev/null | tr '\n' ' ')"
 # CALLA_PROMPT_PRECISION (e.g. mixed) reaches every prompt here: CudaOptions::default() in the
 # engine tests and the CLI's --prompt-precision default in `calla generate`.
-echo "prompt precision: ${CALLA_PROMPT_PRECISION:-split (default)}"
+echo "prompt precision: ${CALLA_PROMPT_PRECISION:-balanced (default)}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || true
 
 # (c)'s model is made with transformers while the Rust checks run.

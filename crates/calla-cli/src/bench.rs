@@ -71,7 +71,7 @@ pub struct Args {
     /// K/V cache element type: f32 or bf16 (default: the engine's, calla_cuda DEFAULT_KV_CACHE).
     #[arg(long, default_value = default_kv_cache())]
     kv_cache: String,
-    #[arg(long, env = calla_cuda::prompt_precision::ENV, default_value = "split", help = PROMPT_PRECISION_HELP)]
+    #[arg(long, env = calla_cuda::prompt_precision::ENV, default_value = "balanced", help = PROMPT_PRECISION_HELP)]
     prompt_precision: PromptPrecision,
     /// Prompt tokens per batched prefill chunk (0: token by token through the decode graph).
     #[arg(long, default_value_t = calla_cuda::CudaOptions::default().prompt_chunk)]
@@ -372,10 +372,12 @@ mod tests {
             .expect("rejected");
         assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
         assert!(err.to_string().contains("mixed"), "{err}");
-        // without the flag: split, unless CALLA_PROMPT_PRECISION says otherwise
+        // without the flag: balanced (the engine's default too), unless CALLA_PROMPT_PRECISION
+        // says otherwise
         if std::env::var_os(calla_cuda::prompt_precision::ENV).is_none() {
             let a = parse(&[]).expect("parses");
-            assert_eq!(a.prompt_precision, PromptPrecision::SPLIT);
+            assert_eq!(a.prompt_precision, PromptPrecision::BALANCED);
+            assert_eq!(a.prompt_precision, PromptPrecision::default());
         }
     }
 

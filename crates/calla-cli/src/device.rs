@@ -20,12 +20,13 @@ pub use calla_cuda::PromptPrecision;
 /// Help of `--prompt-precision` (generate, serve, chat, bench).
 pub const PROMPT_PRECISION_HELP: &str =
     "CUDA: precision of the batched prompt (prefill) products: \
-split (≈ f32, default), half (f16 activations × f16-rounded q4 weights: ~1.6× faster prefill on \
-Hopper, ~5e-3 in log-probabilities at the real shape; split where it cannot run), fast (bf16 \
+balanced (default: half, but the DeltaNet in-projections split; passes the parity checks, 30.6K \
+tok/s at 8K on an H200), split (≈ f32: ~1e-5 from the f32 reference, 21K tok/s), half (f16 \
+activations × f16-rounded q4 weights everywhere: 36K tok/s, ~5e-3 in log-probabilities at the \
+real shape; split where it cannot run, as in balanced: not q4 in groups of 64, not sm_90a), fast (bf16 \
 activations everywhere), auto (by weight format: fast for bf16/quantised, split for f32/f16), \
 mixed (routed experts auto, the rest split), experts-up / experts-down (only that routed product \
-auto), ffn (routed + shared experts auto), balanced (half, but the DeltaNet in-projections \
-split: passes the parity checks, ~30K tok/s at 8K); or presets and \
+auto), ffn (routed + shared experts auto); or presets and \
 GROUP=fast|split|half|auto overrides, comma-separated, GROUP one of deltanet-in, attention-in, \
 mixer-in (both), mixer-out, mixer, experts-gate-up, experts-down, experts, shared (e.g. \
 mixed,shared=auto). The MoE router is always split";
@@ -60,7 +61,7 @@ impl KvCache {
 /// Options of the CUDA engine (ignored with `--device cpu`).
 #[derive(Debug, Clone, Copy, Default, clap::Args)]
 pub struct CudaFlags {
-    #[arg(long, env = calla_cuda::prompt_precision::ENV, default_value = "split", help = PROMPT_PRECISION_HELP)]
+    #[arg(long, env = calla_cuda::prompt_precision::ENV, default_value = "balanced", help = PROMPT_PRECISION_HELP)]
     pub prompt_precision: PromptPrecision,
     /// CUDA: K/V cache element type: f32 or bf16 (default bf16: half the memory; f32 matches the
     /// f32 CPU reference to rounding).

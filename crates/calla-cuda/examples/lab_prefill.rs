@@ -17,11 +17,12 @@
 //!   whole model estimate: 366 ms for 8192 tokens = 22.4k tok/s (target 30k)
 //! History: 13.1k (first version) → 18.2k (2 blocks/SM, batched DeltaNet loads) → 22.4k (bf16
 //! magic-number q4 dequant, 16-byte smem reads in the DeltaNet kernels).
-//! Split precision (the default), session 4: 12.1k → 18.9k (q4 split products on wgmma,
+//! Split precision (then the default), session 4: 12.1k → 18.9k (q4 split products on wgmma,
 //! `gemm_q4_wgx_split`; the DeltaNet scan's loads overlapped; the chunk solve in four chains), docs/performance.md "Session 4".
 //! Half precision (`CALLA_PROMPT_PRECISION=half`, session 10): 273.5 ms (29.96k) at 749b20e
 //! (`gemm_q4_wgh`: in_proj_qkv 299 µs per half, MoE gate/up 782, down 475), docs/performance.md
-//! "Session 10". The
+//! "Session 10". Session 11 (DeltaNet chunk transform and recurrence on tensor cores): half 227.0 ms
+//! (36.1k); DeltaNet core per half prompt: chunk_tc 254, states 363, out 157 µs. The
 //! mixers run their prompt in two halves here, so a mixer launch's TFLOP/s column is 2× too high.
 
 #[path = "../tests/prefill_support/mod.rs"]

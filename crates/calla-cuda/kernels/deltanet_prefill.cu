@@ -1,5 +1,8 @@
 // deltanet_prefill.cu: the Gated DeltaNet core for a prompt of T tokens at positions p0..p0+T, in
-// the chunked (UT/WY) form, f32 throughout (the state must agree with the decode kernel's).
+// the chunked (UT/WY) form, f32 or near-f32 throughout (the state must agree with the decode
+// kernel's): the chunk transform and the recurrence on tensor cores in 3xbf16 (mma.cuh) where
+// Dk % 16 == 0 and Dv % 8 == 0 (prefill_dn_chunk_tc, prefill_dn_states, prefill_dn_out), else, or
+// with CALLA_DN_SCAN=simt, on CUDA cores in f32 (prefill_dn_chunk, prefill_dn_scan).
 //
 // Math (CPU reference: calla_cpu::deltanet, `DeltaNet::forward` with Rule::Chunked, and
 // `deltanet_chunked`); the projections come from gemm.cu:
@@ -28,6 +31,9 @@
 //                     + 64·(33 + 36 + 65) + 128 floats (153 KiB at Dk 128).
 //   prefill_dn_norm   grid ⌈T·Hv/8⌉, block 256: gated RMSNorm, one warp per (token, head) → bf16
 //                     planes for out_proj.
+//   On tensor cores, chunk and scan are replaced by (sections below): prefill_dn_chunk_tc (same grid,
+//   outputs), prefill_dn_states (grid (⌈Dv/32⌉, Hv), the sequential part: v' over U, the state before
+//   each chunk into h [NC, Hv, Dv, Dk]) and prefill_dn_out (grid (NC, Hv, ⌈Dv/64⌉): o from q, h, Aqk, v').
 // FLOPs per (chunk, head) ≈ 2·64·64·Dk·2 (A, Aqk) + 64²·(Dv+Dk) (solve) + 3·2·64·Dk·Dv (scan).
 // Bytes: qkv and conv output read ~3×, W/U/Aqk written once and read once (f32).
 

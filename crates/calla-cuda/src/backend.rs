@@ -55,11 +55,11 @@ pub struct CudaOptions {
     /// real shape (+ 67 MB of residual rows), 2.9 GB before plans.
     pub prompt_chunk: usize,
     /// Precision of the batched prompt's weight products (and of flash attention over an f32
-    /// cache), per product group (prompt_precision.rs): split everywhere (≈ f32, the default:
-    /// prompts agree with the f32 decode path and the CPU reference to the parity tolerance), fast
-    /// everywhere (bf16 activations: ~1.8× faster prompts, but at the real shape its
-    /// log-probabilities miss the 2e-2 parity tolerance: docs/performance.md, "Prefill
-    /// optimisations"), or between, e.g. `PromptPrecision::MIXED` (routed experts fast).
+    /// cache), per product group (prompt_precision.rs): balanced by default (f16 products on q4
+    /// weights on Hopper, the DeltaNet in-projections split: within the parity tolerance, 1.45×
+    /// split's speed at 8K), split everywhere (≈ f32: prompts agree with the f32 decode path and
+    /// the CPU reference to ~1e-5), half or fast everywhere (faster, less exact: docs/performance.md,
+    /// "Session 10", "Session 11"), or between, e.g. `PromptPrecision::MIXED` (routed experts fast).
     /// The MoE router always runs split. `Default` reads [`prompt_precision::ENV`]
     /// (`CALLA_PROMPT_PRECISION=mixed`: how the parity script tests a policy); an unparsable value
     /// makes [`CudaBackend::new`] fail.
