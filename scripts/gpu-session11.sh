@@ -1,5 +1,13 @@
 #!/usr/bin/env bash
-# Session 11's device runs (carry .gpu-bin from scripts/gpu-build-all.sh): STEP picks what runs.
+# The prompt-path runs of session 11 on the device, in one command (carry .gpu-bin from
+# scripts/gpu-build-all.sh): STEP is a list of
+#   dn, layers          the prefill_deltanet / prefill_layers tests (CALLA_REQUIRE_GPU=1)
+#   lab, labhalf        lab_prefill 8192 (default / half precision); labsimt with the CUDA-core DeltaNet
+#                       kernels; labnocopy, labnomma, labnostore, labdefs (LABDEFS=…) with lab switches
+#   e2e                 calla bench at 8K, 32K context, per precision in E2E_PP (default "split half")
+#   parity, parityhalf  scripts/gpu-parity.sh, default / with CALLA_PROMPT_PRECISION=$PAR_PP (half)
+#   precmix             the fixtures vs CPU (engine_matches_cpu) under half with one group split
+# e.g. run(command="STEP='dn lab' scripts/gpu-session11.sh", carry=[".gpu-bin"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CALLA_KERNEL_CACHE=$PWD/.gpu-bin/kernel-cache CALLA_REQUIRE_GPU=1
@@ -21,15 +29,11 @@ lab) lab tc ;;
 labhalf) CALLA_PROMPT_PRECISION=half lab half ;;
 parity) (unset CALLA_KERNEL_CACHE; timeout 200 scripts/gpu-parity.sh > "$OUT/parity.log" 2>&1; echo "== parity rc $?"); grep -E 'ALL PASS|FAIL|rows' "$OUT/parity.log" | tail -8 ;;
 parityhalf) (unset CALLA_KERNEL_CACHE; CALLA_PROMPT_PRECISION=${PAR_PP:-half} timeout 200 scripts/gpu-parity.sh > "$OUT/parityh.log" 2>&1; echo "== parity half rc $?"); grep -E 'ALL PASS|FAIL|rows|real|transformers' "$OUT/parityh.log" | tail -14 ;;
-e2e) for pp in ${E2E_PP:-split half}; do timeout 150 .gpu-bin/calla bench --synthetic qwen3.6-35b-a3b --quant q4 --prompt-len 8192 --gen-len 64 --context 32768 --rounds 3 --prompt-precision $pp > "$OUT/e2e-$pp.log" 2>&1; echo "== e2e $pp rc $?"; grep -iE 'prefill|ttft|decode|peak' "$OUT/e2e-$pp.log" | head -8; done ;;
+e2e) for pp in ${E2E_PP:-split half}; do timeout 150 .gpu-bin/calla bench --synthetic qwen3.6-35b-a3b --quant q4 --prompt-len 8192 --gen-len 64 --context 32768 --rounds 3 $([ "$pp" = default ] || echo "--prompt-precision $pp") > "$OUT/e2e-$pp.log" 2>&1; echo "== e2e $pp rc $?"; grep -iE 'prefill|ttft|decode|peak' "$OUT/e2e-$pp.log" | head -8; done ;;
 precmix) for pp in half "half,mixer-in=split" "half,mixer-out=split" "half,experts=split" "half,shared=split" "half,experts-down=split" "half,experts-gate-up=split"; do
     CALLA_FIXTURES=$PWD/tests/fixtures CALLA_PROMPT_PRECISION="$pp" timeout 120 .gpu-bin/gpu-tests --ignored --test-threads=1 --nocapture engine_matches_cpu > "$OUT/prec.log" 2>&1
     echo "== $pp: rc $? $(grep -c PASS "$OUT/prec.log") PASS $(grep -c FAIL "$OUT/prec.log") FAIL"; grep -E 'mlx4.*(prefill|decode)' "$OUT/prec.log" | head -3
     grep -E 'FAIL' "$OUT/prec.log" | grep -v mlx4 | head -3
-  done ;;
-labin) for li in ${LABIN:-dn0}; do
-    CALLA_LAB_SPLIT_IN=$li CALLA_FIXTURES=$PWD/tests/fixtures CALLA_PROMPT_PRECISION=half timeout 120 .gpu-bin/gpu-tests --ignored --test-threads=1 --nocapture engine_matches_cpu > "$OUT/prec.log" 2>&1
-    echo "== half, split $li: rc $? $(grep -c PASS "$OUT/prec.log") PASS $(grep -c FAIL "$OUT/prec.log") FAIL"; grep -E 'mlx4 q4: prefill' "$OUT/prec.log" | head -1; grep FAIL "$OUT/prec.log" | grep -v mlx4 | head -2
   done ;;
 esac
 done

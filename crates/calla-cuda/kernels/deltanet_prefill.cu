@@ -190,6 +190,28 @@ struct DnChunkParams {
     int T, C, Hk, Hv, Dk, Dv;
 };
 
+// Threads 0..63: the chunk's log decays g_i = −e^{A_log}·softplus(a_i + dt_bias) into cum (summed by
+// dn_cumulate after a barrier) and β_i = sigmoid(b_i); rows ≥ L get zeros.
+__device__ __forceinline__ void dn_chunk_gates(const DnChunkParams& p, int t0, int L, int h, float* cum, float* beta) {
+    const int tid = threadIdx.x;
+    if (tid >= DN_CHUNK) return;
+    float g = 0.0f, bt = 0.0f;
+    if (tid < L) {
+        const i64 r = (i64)(t0 + tid) * p.Hv + h;
+        const float a = ((const float*)p.a)[r] + ((const float*)p.dt_bias)[h];
+        g = -expf(((const float*)p.a_log)[h]) * dn_softplus(a);
+        bt = sigmoid_f(((const float*)p.b)[r]);
+    }
+    cum[tid] = g;
+    beta[tid] = bt;
+}
+// Thread 0: c_i = Σ_{j≤i} g_j, in order (as the CPU).
+__device__ __forceinline__ void dn_cumulate(float* cum) {
+    if (threadIdx.x != 0) return;
+    float run = 0.0f;
+    for (int i = 0; i < DN_CHUNK; ++i) { run += cum[i]; cum[i] = run; }
+}
+
 extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunkParams p) {
     extern __shared__ __align__(16) float sm[];
     const int chunk = blockIdx.x, h = blockIdx.y, kh = h / (p.Hv / p.Hk);
@@ -206,24 +228,11 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunk
     const float* x = (const float*)p.qkvc;
     const i64 q_col = (i64)kh * Dk, k_col = (i64)p.Hk * Dk + (i64)kh * Dk, v_col = 2 * (i64)p.Hk * Dk + (i64)h * Dv;
 
-    if (tid < DN_CHUNK) {
-        float g = 0.0f, bt = 0.0f;
-        if (tid < L) {
-            const i64 r = (i64)(t0 + tid) * p.Hv + h;
-            const float a = ((const float*)p.a)[r] + ((const float*)p.dt_bias)[h];
-            g = -expf(((const float*)p.a_log)[h]) * dn_softplus(a);
-            bt = sigmoid_f(((const float*)p.b)[r]);
-        }
-        cum[tid] = g; // log decay, summed below
-        beta[tid] = bt;
-    }
+    dn_chunk_gates(p, t0, L, h, cum, beta);
     dn_load_tile(qs, kp, x + (i64)t0 * p.C + q_col, p.C, DN_CHUNK, L, Dk);
     dn_load_tile(ks, kp, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
     __syncthreads();
-    if (tid == 0) { // c_i = Σ_{j≤i} g_j, in order (as the CPU)
-        float run = 0.0f;
-        for (int i = 0; i < DN_CHUNK; ++i) { run += cum[i]; cum[i] = run; }
-    }
+    dn_cumulate(cum);
     // A and Aqk: thread (ti, tj) owns rows ti + 16a, columns tj + 16b (a, b < 4).
     const int ti = tid >> 4, tj = tid & 15;
     float accA[4][4], accQ[4][4];
@@ -330,22 +339,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) prefill_dn_chunk_tc(const D
     dn_copy_tile<true>(qs, wp, x + (i64)t0 * p.C + q_col, p.C, DN_CHUNK, L, Dk);
     dn_copy_tile<true>(ks, wp, x + (i64)t0 * p.C + k_col, p.C, DN_CHUNK, L, Dk);
     cp_async_commit();
-    if (tid < DN_CHUNK) {
-        float gt = 0.0f, bt = 0.0f;
-        if (tid < L) {
-            const i64 r = (i64)(t0 + tid) * p.Hv + h;
-            const float a = ((const float*)p.a)[r] + ((const float*)p.dt_bias)[h];
-            gt = -expf(((const float*)p.a_log)[h]) * dn_softplus(a);
-            bt = sigmoid_f(((const float*)p.b)[r]);
-        }
-        cum[tid] = gt; // log decay, summed below
-        beta[tid] = bt;
-    }
+    dn_chunk_gates(p, t0, L, h, cum, beta);
     __syncthreads();
-    if (tid == 0) { // c_i = Σ_{j≤i} g_j, in order (as the CPU)
-        float run = 0.0f;
-        for (int i = 0; i < DN_CHUNK; ++i) { run += cum[i]; cum[i] = run; }
-    }
+    dn_cumulate(cum);
     cp_async_wait<0>();
     __syncthreads(); // q, k rows and the cumulative gates
 
