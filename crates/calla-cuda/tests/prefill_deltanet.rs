@@ -201,3 +201,25 @@ fn real_dims_q4_split() {
     );
     assert!(ok, "DeltaNet prefill out of tolerance (see above)");
 }
+
+/// Head dims the tensor-core kernels do not take (Dk % 16 ≠ 0; Dk + Dv > 256) run the CUDA-core
+/// chunk and scan kernels: the fallback keeps its own check.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_core_fallback_dims() {
+    let mut ok = true;
+    for (dk, dv) in [(40, 16), (64, 256)] {
+        let mut spec = mixer_spec(&tiny_spec(Family::Qwen35Moe, 1));
+        spec.linear_key_head_dim = dk;
+        spec.linear_value_head_dim = dv;
+        ok &= run_case(
+            &format!("Dk {dk} Dv {dv} f32 (split)"),
+            &spec,
+            WFmt::F32,
+            None,
+            SPLIT,
+            &[(150, 0), (70, 37)],
+        );
+    }
+    assert!(ok, "DeltaNet prefill out of tolerance (see above)");
+}
