@@ -1,8 +1,9 @@
 // deltanet_prefill.cu: the Gated DeltaNet core for a prompt of T tokens at positions p0..p0+T, in
 // the chunked (UT/WY) form, f32 or near-f32 throughout (the state must agree with the decode
 // kernel's): the chunk transform and the recurrence on tensor cores in 3xbf16 (mma.cuh) where
-// Dk % 16 == 0 and Dv % 8 == 0 (prefill_dn_chunk_tc, prefill_dn_states, prefill_dn_out), else, or
-// with CALLA_DN_SCAN=simt, on CUDA cores in f32 (prefill_dn_chunk, prefill_dn_scan).
+// Dk % 16 == 0, Dv % 8 == 0 and Dk + Dv ≤ 256 (prefill_dn_chunk_tc, prefill_dn_states,
+// prefill_dn_out), else, or with CALLA_DN_SCAN=simt, on CUDA cores in f32 (prefill_dn_chunk,
+// prefill_dn_scan).
 //
 // Math (CPU reference: calla_cpu::deltanet, `DeltaNet::forward` with Rule::Chunked, and
 // `deltanet_chunked`); the projections come from gemm.cu:
@@ -310,7 +311,7 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunk
 
 // ---------------------------------------------------------------- per-chunk UT transform on tensor cores
 // prefill_dn_chunk's work in 3xbf16 products (mma.cuh), grid (⌈T/64⌉, Hv), block 256, the same
-// params and outputs, for Dk % 16 == 0 and Dv % 8 == 0:
+// params and outputs, for Dk % 16 == 0, Dv % 8 == 0 and Dk + Dv ≤ 256 (8 warps × 4 column tiles):
 //   1. K·Kᵀ and Q·Kᵀ (warp → one product's 16 rows × the 64 columns up to the diagonal), masked and
 //      decayed in registers: A into shared memory, Aqk to global.
 //   2. The UT solve (I + A)·X = [β v | β k e^c] by 16-row blocks: the four 16×16 diagonal blocks
