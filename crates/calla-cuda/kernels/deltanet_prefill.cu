@@ -318,7 +318,7 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_chunk(const DnChunk
 //      inverted on CUDA cores (one thread per column, into A's diagonal), then per block b
 //      X_b = (I + A_bb)⁻¹ (RHS_b − Σ_{c<b} A_bc X_c) as products, each warp on its own columns of X
 //      (no barriers between blocks), and X_b written to U and W straight from the registers.
-// smem: max(2·64·wp, 64·(Dv + Dk + 4)) + 64·72 + 128 floats (89 KiB at Dk = Dv = 128: two blocks/SM).
+// smem: max(2·64·wp, 64·(Dv + Dk + 4)) + 64·72 + 128 floats (87 KiB at Dk = Dv = 128: two blocks/SM).
 #define DN_CH_AP 72 // A rows
 
 extern "C" __global__ void __launch_bounds__(256, 2) prefill_dn_chunk_tc(const DnChunkParams p) {
@@ -675,11 +675,12 @@ struct DnStatesParams {
 // grid (⌈Dv/32⌉, Hv), block 32·DN_ST_WARPS (16 warps, lane = 4g + q), one block per SM. Per chunk,
 // between two barriers: phase A, v' (warp → 16 token rows × 8 columns, K = Dk), then phase B, the
 // state update (the S tiles live in registers as f32: warp → 16 columns j × 2 n-tiles of 8 key
-// dims, n-tile (warp/2) + 8r). 16 warps instead of 8 halve each warp's chain of dependent products
-// (the recurrence is latency-bound: one block per head slice, one chunk after another), after which S is published to shared memory as packed bf16 hi and lo pairs (the
-// B fragments of the next chunk's phase A). The next chunk's W, k, U and gates are copied into the
-// other buffer while this one computes. smem: 2·64·(wp + Dk + 4 + 40) + 64·36 + 192 floats + 2·32·
-// (Dk/2 + 4 rounded) words, wp = ⌈Dk/32⌉·32 + 8 (186 KiB at Dk 128). Lab switches
+// dims, n-tile (warp/2) + 8r), after which S is published to shared memory as packed bf16 hi and
+// lo pairs (the B fragments of the next chunk's phase A). 16 warps instead of 8 halve each warp's
+// chain of dependent products: the recurrence is latency-bound (one block per head slice, one chunk
+// after another). The next chunk's W, k, U and gates are copied into the other buffer while this
+// one computes. smem: 2·64·(wp + Dk + 4 + 40) + 64·36 + 192 floats + 2·32·(⌈Dk/16⌉·8 + 4) words,
+// wp = ⌈Dk/32⌉·32 + 8 (181 KiB at Dk 128). Lab switches
 // (CALLA_NVRTC_DEFINES; wrong results): DN_TC_LAB_NO_COPY (only the first two chunks' tiles are
 // copied), DN_TC_LAB_NO_MMA (no products), DN_TC_LAB_NO_STORE (no h, no v' stores).
 extern "C" __global__ void __launch_bounds__(32 * DN_ST_WARPS, 1) prefill_dn_states(const DnStatesParams p) {
@@ -858,7 +859,7 @@ struct DnOutParams {
 // grid (NC, Hv, ⌈Dv/64⌉), block 256: o_ij = e^{c_i} q_i·h_j + Σ_l Aqk_il v'_lj for one chunk, one
 // head and 64 value columns; warp → 16 token rows × 32 columns. Columns ≥ Dv of h and v' are not
 // loaded: they only reach output columns that are not stored. smem: 2·64·wp + 64·(72 + 68) + 64
-// floats (107 KiB at Dk 128: two blocks per SM).
+// floats (103 KiB at Dk 128: two blocks per SM).
 extern "C" __global__ void __launch_bounds__(256) prefill_dn_out(const DnOutParams p) {
     extern __shared__ __align__(16) float sm[];
     const int chunk = blockIdx.x, h = blockIdx.y, kh = h / (p.Hv / p.Hk), j0 = blockIdx.z * DN_OUT_BV;
