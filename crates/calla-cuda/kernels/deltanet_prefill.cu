@@ -943,3 +943,11 @@ extern "C" __global__ void __launch_bounds__(256) prefill_dn_norm(const DnNormPa
     for (int j = lane; j < p.Dv; j += 32)
         store_act((u16*)p.out_hi, (u16*)p.out_lo, (u16*)p.out_f16, row * p.Dv + j, w[j] * (o[j] * inv) * silu_f(z[j]));
 }
+
+static_assert(sizeof(DnConvParams) == 72, "DnConvParams layout differs from its Rust twin");
+static_assert(sizeof(DnRingParams) == 32, "DnRingParams layout differs from its Rust twin");
+static_assert(sizeof(DnChunkParams) == 96, "DnChunkParams layout differs from its Rust twin");
+static_assert(sizeof(DnScanParams) == 80, "DnScanParams layout differs from its Rust twin");
+static_assert(sizeof(DnStatesParams) == 72, "DnStatesParams layout differs from its Rust twin");
+static_assert(sizeof(DnOutParams) == 72, "DnOutParams layout differs from its Rust twin");
+static_assert(sizeof(DnNormParams) == 64, "DnNormParams layout differs from its Rust twin");

@@ -100,6 +100,19 @@ pub fn check_dims(spec: &ModelSpec) -> Result<()> {
     Ok(())
 }
 
+/// The trailing `int T, C, Hk, Hv, Dk, Dv` of the chunk, scan, states and out kernels' params (the
+/// same bytes as six `i32` fields: alignment 4, after the pointers).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct DnDims {
+    t: i32,
+    c: i32,
+    hk: i32,
+    hv: i32,
+    dk: i32,
+    dv: i32,
+}
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 struct DnConvParams {
@@ -142,12 +155,7 @@ struct DnChunkParams {
     u_out: u64,
     aqk_out: u64,
     gcum_out: u64,
-    t: i32,
-    c: i32,
-    hk: i32,
-    hv: i32,
-    dk: i32,
-    dv: i32,
+    dims: DnDims,
 }
 
 #[repr(C)]
@@ -160,12 +168,7 @@ struct DnScanParams {
     gcum_in: u64,
     state: u64,
     o_out: u64,
-    t: i32,
-    c: i32,
-    hk: i32,
-    hv: i32,
-    dk: i32,
-    dv: i32,
+    dims: DnDims,
 }
 
 #[repr(C)]
@@ -177,12 +180,7 @@ struct DnStatesParams {
     gcum_in: u64,
     state: u64,
     h_out: u64,
-    t: i32,
-    c: i32,
-    hk: i32,
-    hv: i32,
-    dk: i32,
-    dv: i32,
+    dims: DnDims,
 }
 
 #[repr(C)]
@@ -194,12 +192,7 @@ struct DnOutParams {
     gcum_in: u64,
     h_in: u64,
     o_out: u64,
-    t: i32,
-    c: i32,
-    hk: i32,
-    hv: i32,
-    dk: i32,
-    dv: i32,
+    dims: DnDims,
 }
 
 #[repr(C)]
@@ -225,8 +218,8 @@ struct DnNormParams {
 /// paths' intermediates differ (the tensor-core chunk kernel leaves Aqk's upper blocks unwritten,
 /// which only the tensor-core scan tolerates), so one choice holds for both.
 fn on_tensor_cores(dk: usize, dv: usize) -> bool {
-    dk % 16 == 0
-        && dv % 8 == 0
+    dk.is_multiple_of(16)
+        && dv.is_multiple_of(8)
         && dk + dv <= 256
         && std::env::var("CALLA_DN_SCAN").as_deref() != Ok("simt")
 }
@@ -255,7 +248,14 @@ pub fn prefill_core(
     let (c, k) = (spec.linear_conv_dim(), spec.linear_conv_kernel_dim);
     let nc = t.div_ceil(CHUNK);
     let (ti, ci, p0i) = (t as i32, c as i32, p0 as i32);
-    let dims = (hk as i32, hv as i32, dk as i32, dv as i32);
+    let dims = DnDims {
+        t: ti,
+        c: ci,
+        hk: hk as i32,
+        hv: hv as i32,
+        dk: dk as i32,
+        dv: dv as i32,
+    };
     let mut out = Vec::with_capacity(5);
 
     let conv = DnConvParams {
@@ -267,10 +267,10 @@ pub fn prefill_core(
         p0: p0i,
         c: ci,
         k: k as i32,
-        hk: dims.0,
-        hv: dims.1,
-        dk: dims.2,
-        dv: dims.3,
+        hk: dims.hk,
+        hv: dims.hv,
+        dk: dims.dk,
+        dv: dims.dv,
         q_scale: (dk as f32).powf(-0.5),
         pad: 0,
     };
@@ -310,12 +310,7 @@ pub fn prefill_core(
         u_out: io.u.0,
         aqk_out: io.aqk.0,
         gcum_out: io.gcum.0,
-        t: ti,
-        c: ci,
-        hk: dims.0,
-        hv: dims.1,
-        dk: dims.2,
-        dv: dims.3,
+        dims,
     };
     let tc = on_tensor_cores(dk, dv);
     let (chunk_kernel, chunk_smem) = if tc {
@@ -346,12 +341,7 @@ pub fn prefill_core(
             gcum_in: io.gcum.0,
             state: io.state.0,
             h_out: io.h.0,
-            t: ti,
-            c: ci,
-            hk: dims.0,
-            hv: dims.1,
-            dk: dims.2,
-            dv: dims.3,
+            dims,
         };
         // (kernel layout, two buffers of: W rows of ⌈Dk/32⌉·32 + 8 floats, k rows of Dk + 4, U rows
         // of 40, gates; then v' [64, 36], decays, and the S planes [32, ⌈Dk/16⌉·8 + 4] ×2 in words)
@@ -374,12 +364,7 @@ pub fn prefill_core(
             gcum_in: io.gcum.0,
             h_in: io.h.0,
             o_out: io.o.0,
-            t: ti,
-            c: ci,
-            hk: dims.0,
-            hv: dims.1,
-            dk: dims.2,
-            dv: dims.3,
+            dims,
         };
         // (kernel layout: q rows and h rows of ⌈Dk/32⌉·32 + 8 floats; Aqk [64, 72]; v' [64, 68]; gates)
         let floats = 2 * CHUNK * (dk.next_multiple_of(32) + 8) + CHUNK * (72 + 68) + CHUNK;
@@ -400,12 +385,7 @@ pub fn prefill_core(
             gcum_in: io.gcum.0,
             state: io.state.0,
             o_out: io.o.0,
-            t: ti,
-            c: ci,
-            hk: dims.0,
-            hv: dims.1,
-            dk: dims.2,
-            dv: dims.3,
+            dims,
         };
         // (kernel layout: W, q, k rows and the S tile of Dk + 4 floats; U [64, 33]; v' [64, 36];
         // Aqk [64, 65]; cumulative gates and decays)
@@ -427,8 +407,8 @@ pub fn prefill_core(
         out_hi: io.y.hi.0,
         out_lo: io.y.lo.0,
         t: ti,
-        hv: dims.1,
-        dv: dims.3,
+        hv: dims.hv,
+        dv: dims.dv,
         eps: spec.rms_norm_eps,
         out_f16: io.y.f16.0,
     };
@@ -441,4 +421,22 @@ pub fn prefill_core(
         &norm,
     )?);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::size_of;
+
+    /// The sizes the kernels' `static_assert`s state (kernels/deltanet_prefill.cu).
+    #[test]
+    fn parameter_structs_match_the_kernels() {
+        assert_eq!(size_of::<DnConvParams>(), 72);
+        assert_eq!(size_of::<DnRingParams>(), 32);
+        assert_eq!(size_of::<DnChunkParams>(), 96);
+        assert_eq!(size_of::<DnScanParams>(), 80);
+        assert_eq!(size_of::<DnStatesParams>(), 72);
+        assert_eq!(size_of::<DnOutParams>(), 72);
+        assert_eq!(size_of::<DnNormParams>(), 64);
+    }
 }
