@@ -187,13 +187,9 @@ pub fn prefill_mixer(
     let l = layer_of(model, layer, s, t)?;
     let d = spec.hidden_size;
     // x̂'s readers here are the in-projections: the norm writes the planes they read
-    let in_proj: &[DevMatrix] = match &l.mixer {
-        DevMixer::DeltaNet(w) => &w.in_proj,
-        DevMixer::Attention(w) => &w.in_proj,
-    };
-    let in_product = match &l.mixer {
-        DevMixer::DeltaNet(_) => Product::DeltaNetIn,
-        DevMixer::Attention(_) => Product::AttentionIn,
+    let (in_proj, in_product): (&[DevMatrix], Product) = match &l.mixer {
+        DevMixer::DeltaNet(w) => (&w.in_proj, Product::DeltaNetIn),
+        DevMixer::Attention(w) => (&w.in_proj, Product::AttentionIn),
     };
     let readers = in_proj
         .iter()
