@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prompt-path runs of session 11 on the device, in one command (carry .gpu-bin from
+# Prompt-path runs on the device in one command (written in session 11) (carry .gpu-bin from
 # scripts/gpu-build-all.sh): STEP is a list of
 #   dn, layers          the prefill_deltanet / prefill_layers tests (CALLA_REQUIRE_GPU=1)
 #   lab, labhalf        lab_prefill 8192 (default / half precision); labsimt with the CUDA-core DeltaNet
@@ -7,7 +7,7 @@
 #   e2e                 calla bench at 8K, 32K context, per precision in E2E_PP (default "split half")
 #   parity, parityhalf  scripts/gpu-parity.sh, default / with CALLA_PROMPT_PRECISION=$PAR_PP (half)
 #   precmix             the fixtures vs CPU (engine_matches_cpu) under half with one group split
-# e.g. run(command="STEP='dn lab' scripts/gpu-session11.sh", carry=[".gpu-bin"])
+# e.g. run(command="STEP='dn lab' scripts/gpu-prefill-steps.sh", carry=[".gpu-bin"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CALLA_KERNEL_CACHE=$PWD/.gpu-bin/kernel-cache CALLA_REQUIRE_GPU=1
