@@ -94,7 +94,11 @@ __device__ __forceinline__ void lab_stamp(int event) {
     const int b = blockIdx.x + blockIdx.y * gridDim.x; // 2-D grids (gate/up, attention) too
     if (lab_on && (threadIdx.x & 31) == 0 && b < LAB_BLOCKS && threadIdx.x < 256) {
         u64 c;
+#if defined(LAB_GLOBALTIMER) // ns on one clock for every SM: where blocks start and end relative to each other
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(c));
+#else
         asm volatile("mov.u64 %0, %%clock64;" : "=l"(c));
+#endif
         lab_stamp_buf[((i64)b * 8 + (threadIdx.x >> 5)) * LAB_EVENTS + event] = c;
     }
 }
@@ -820,11 +824,21 @@ __device__ __forceinline__ void route_acc_clear(const DownParams& p) {
 // thread, where one round of ranks over all E took 256 (~2 µs of the router's 9, docs/performance.md).
 // cand: shared [SEL_CAND_LEN] (value, id bits) pairs, 16-byte aligned. Ends with a barrier.
 //   sel_id[k], sel_l[k] = the k-th expert and its logit.
+// Thread t reads and writes only the logits e ≡ t (mod blockDim) before the first round, so a segment
+// of 32 is a warp's own (blockDim % 32 == 0): the first round needs no block barrier (session 12).
+// Hooks for a caller's own work between the barriers (gate/up stages x̂ there, so that its products
+// need no barriers of their own): `pre` runs in every thread before the candidates' barrier (what it
+// writes to shared memory is published by it), `mid` after it, before the last barrier.
 #define SEL_CAND_LEN (ROUTE_MAX_CAND + 8)
 __device__ __forceinline__ int sel_beats(float w, float w_id, float v, int id) {
     return (w > v) | ((w == v) & (__float_as_int(w_id) < id));
 }
-__device__ __forceinline__ void select_top(float* sl, int E, int A, float2* cand, int* sel_id, float* sel_l) {
+struct NoHook {
+    __device__ void operator()() const {}
+};
+template <typename Pre = NoHook, typename Mid = NoHook>
+__device__ __forceinline__ void select_top(float* sl, int E, int A, float2* cand, int* sel_id, float* sel_l,
+                                           const Pre& pre = Pre{}, const Mid& mid = Mid{}) {
     const int Es = (E + 31) & ~31, keep = min(A, 32);
     for (int e = threadIdx.x; e < Es; e += blockDim.x) {
         const float v = e < E ? sl[e] : NEG_INF;
@@ -832,7 +846,7 @@ __device__ __forceinline__ void select_top(float* sl, int E, int A, float2* cand
     }
     const int C = (Es >> 5) * keep, C8 = (C + 7) & ~7; // candidates, padded to a multiple of 8
     if (threadIdx.x < C8 - C) cand[C + threadIdx.x] = make_float2(NEG_INF, __int_as_float(0x7fffffff)); // beat no one
-    __syncthreads();
+    __syncwarp();
     for (int e = threadIdx.x; e < Es; e += blockDim.x) { // a warp takes whole segments (blockDim % 32 == 0)
         const float v = sl[e];
         const int i = e & 31;
@@ -850,7 +864,9 @@ __device__ __forceinline__ void select_top(float* sl, int E, int A, float2* cand
         const int r = r0 + r1 + r2 + r3;
         if (r < keep) cand[(e >> 5) * keep + r] = make_float2(v, __int_as_float(e));
     }
+    pre();
     __syncthreads();
+    mid();
     const int quarter = C8 / 4; // even: two candidates per 16-byte load
     for (int c0 = 0; c0 < C; c0 += blockDim.x / 4) { // uniform: every lane reaches the shuffles
         const int c = c0 + threadIdx.x / 4, part = threadIdx.x & 3;
@@ -907,15 +923,18 @@ __device__ __forceinline__ float route_load_logits(const RouteParams& r, float* 
 
 // Top-A and combine weights from the logits in shared memory sl (select_top's input; the gate logit
 // in thread 0) into sel_id / sel_p, and with `publish` (warp 0) into topk_ids / topk_w / shared_w for
-// the down kernel. cand: shared [SEL_CAND_LEN], 16-byte aligned. Ends with a barrier.
+// the down kernel. cand: shared [SEL_CAND_LEN], 16-byte aligned. Ends with a barrier, or with TAIL_SYNC
+// false (sel_p is then warp 0's until the caller's next barrier; sel_id is published) with none.
 //   norm_topk: w_k = p_k / Σ_sel p = exp(l_k − l_top) / Σ_sel exp(l_j − l_top): the softmax's
 //   normaliser cancels, so beyond the ranks only the A selected logits are needed (one warp). Before,
 //   a block max, a block sum of E exponentials and a serial renormalisation took ~1.5 µs of the
 //   router's 3.4 µs of selection (measured by removing the selection, docs/performance.md).
 //   otherwise: w_k = p_k = exp(l_k − max) / Σ_e exp(l_e − max) over all E; max = the top logit.
+template <bool TAIL_SYNC = true, typename Pre = NoHook, typename Mid = NoHook>
 __device__ __forceinline__ void route_select(const RouteParams& r, float* sl, float gate_logit, int* sel_id,
-                                             float* sel_p, float* red, float2* cand, bool publish) {
-    select_top(sl, r.E, r.A, cand, sel_id, sel_p); // sel_p holds the selected logits for now
+                                             float* sel_p, float* red, float2* cand, bool publish,
+                                             const Pre& pre = Pre{}, const Mid& mid = Mid{}) {
+    select_top(sl, r.E, r.A, cand, sel_id, sel_p, pre, mid); // sel_p holds the selected logits for now
     if (r.norm_topk) {
         if (threadIdx.x < 32) { // A ≤ MOE_MAX_A = 32: one lane per selected expert
             const int k = threadIdx.x;
@@ -938,7 +957,7 @@ __device__ __forceinline__ void route_select(const RouteParams& r, float* sl, fl
         }
         if (threadIdx.x == 0) *(float*)r.shared_w = r.shared_gate ? sigmoid_f(gate_logit) : 1.0f;
     }
-    __syncthreads();
+    if (TAIL_SYNC) __syncthreads();
 }
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).

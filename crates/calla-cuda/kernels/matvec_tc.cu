@@ -56,6 +56,19 @@ __device__ __forceinline__ u32 q4_pair_one_plus(u32 word, int p) {
 
 // The weight loads of common.cuh (ldg16, ldg8), but `volatile`: they stay after the x loads that
 // precede them in program order, instead of being scheduled wherever the compiler likes.
+// Lab MTC_LAB_NO_LOADS: no weight traffic; the "weights" are made from the address (every bf16
+// parameter ~1e-19, so the residual stays finite), to price what the step's weight streaming costs.
+#if defined(MTC_LAB_NO_LOADS)
+__device__ __forceinline__ u32 lab_fake_word(const void* p, u32 k) {
+    u32 a = (u32)(size_t)p * (2u * k + 1u);
+    asm volatile("" : "+r"(a));
+    return (a & 0x007F007Fu) | 0x20002000u;
+}
+__device__ __forceinline__ uint4 ldg16_in_order(const void* p) {
+    return make_uint4(lab_fake_word(p, 0), lab_fake_word(p, 1), lab_fake_word(p, 2), lab_fake_word(p, 3));
+}
+__device__ __forceinline__ uint2 ldg8_in_order(const void* p) { return make_uint2(lab_fake_word(p, 0), lab_fake_word(p, 1)); }
+#else
 __device__ __forceinline__ uint4 ldg16_in_order(const void* p) {
     uint4 v;
     asm volatile(WEIGHT_LD_STR(WEIGHT_LD) ".v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
@@ -66,6 +79,7 @@ __device__ __forceinline__ uint2 ldg8_in_order(const void* p) {
     asm volatile(WEIGHT_LD_STR(WEIGHT_LD) ".v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
+#endif
 
 // Word wi of the input (columns 8wi..8wi+7, values x) into the B registers and group sums: chunk wi/16,
 // lane c = (wi/4)%4, word w = wi%4 of that lane's 16 bytes; hi = bf16(x), lo = bf16(x − hi). A group
@@ -247,6 +261,7 @@ struct MatvecMapT {
     static constexpr bool HEAD_NORM = HN;
     typedef typename PickType<ROUTE, RouteRegs, NoTail>::type Tail;
     static constexpr bool STATIC_ROWS = true; // row() depends on the parameters only
+    static constexpr bool MERGED = false;     // see GateUpMap
     __device__ int lab() const { return MTC_LAB_MATVEC; }
     const MatvecParams& p;
     const TcMatvecParams& tp;
@@ -256,6 +271,8 @@ struct MatvecMapT {
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.K; }
     __device__ void prologue() const {}
+    template <typename Pre, typename Mid>
+    __device__ void prologue_merged(const Pre&, const Mid&) const {}
     // The input scales of this warp's CW chunks (HEAD_NORM): lane 8·ch + q reads part q of chunk ch's
     // head, the 8 lanes add them in a fixed tree (the same sum in every warp and block).
     template <int CW>
@@ -343,6 +360,13 @@ struct GateUpMap {
     __device__ int K() const { return p.D; }
     static constexpr bool HEAD_NORM = false;
     static constexpr bool STATIC_ROWS = false; // the routed slots' rows follow the selection
+    // x̂ is staged between the selection's barriers (prologue_merged) rather than after it with
+    // barriers of its own: 7 block barriers between the routing sums and the weight loads become 2
+    // (docs/performance.md, session 12). Lab: MTC_GATE_UP_MERGED=0 for the old order.
+#ifndef MTC_GATE_UP_MERGED
+#define MTC_GATE_UP_MERGED 1
+#endif
+    static constexpr bool MERGED = MTC_GATE_UP_MERGED;
 #if defined(MTC_LAB_DN_INPROJ_ONLY)
     __device__ int lab() const { return 0; }
 #else
@@ -356,18 +380,42 @@ struct GateUpMap {
             route_select(r, sel->sl, gate_logit, sel->id, sel->w, sel->red, sel->cand,
                          blockIdx.x == 0 && blockIdx.y == 0);
         }
+        fill_experts();
+    }
+    // The slots' experts given in topk_ids (no selection here) into shared memory; with a selection
+    // row() reads sel->id.
+    __device__ void fill_experts() const {
+        if (r.logits) return;
         for (int s = threadIdx.x; s < slots(); s += blockDim.x) {
             const int slot = s + p.slot_offset;
-            expert[s] = slot >= p.A ? 0 : r.logits ? sel->id[slot] : ((const int*)p.topk_ids)[slot];
+            expert[s] = slot >= p.A ? 0 : ((const int*)p.topk_ids)[slot];
         }
     }
-    __device__ void row(int t, int r, const u8*& data, const u8*& prm) const {
+    // The routing with the caller's hooks between its barriers (select_top: `pre` before the
+    // candidates' barrier, `mid` after it); ends with a barrier that publishes the selected experts
+    // and what `mid` wrote. Without a selection here: pre, barrier, mid, barrier.
+    template <typename Pre, typename Mid>
+    __device__ void prologue_merged(const Pre& pre, const Mid& mid) const {
+        if (r.logits) {
+            const float gate_logit = route_load_logits(r, sel->sl);
+            route_select<false>(r, sel->sl, gate_logit, sel->id, sel->w, sel->red, sel->cand,
+                                blockIdx.x == 0 && blockIdx.y == 0, pre, mid);
+        } else {
+            pre();
+            fill_experts();
+            __syncthreads();
+            mid();
+            __syncthreads();
+        }
+    }
+    __device__ void row(int t, int rr, const u8*& data, const u8*& prm) const {
         const int s = t / per_slot(), slot = s + p.slot_offset;
         const bool routed = slot < p.A;
         const int n = routed ? p.I : p.Is;
-        const int j = min((t - s * per_slot()) * 8 + (r & 7), n - 1);
+        const int j = min((t - s * per_slot()) * 8 + (rr & 7), n - 1);
         const MatrixRef& m = routed ? p.experts : p.shared;
-        const i64 row = (routed ? (i64)expert[s] * 2 * p.I : 0) + (r >> 3) * n + j;
+        const int e = routed ? (r.logits ? sel->id[slot] : expert[s]) : 0;
+        const i64 row = (routed ? (i64)e * 2 * p.I : 0) + (rr >> 3) * n + j;
         data = (const u8*)m.data + row * m.row_bytes;
         prm = (const u8*)m.params + row * m.groups_per_row * 4;
     }
@@ -435,8 +483,14 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 
     const float y_old = MTC_EARLY_OLD && block < tiles ? map.old_value(block, tid) : 0.0f;
     const typename Map::Tail tail_first = map.tail_load(min(block, tiles - 1)); // fused routing's loads
-    map.prologue(); // while x is on its way (gate/up: the routing)
+    if constexpr (!Map::MERGED) map.prologue(); // while x is on its way (gate/up: the routing)
     LAB_STAMP(7);
+#if defined(MTC_LAB_XSTAMPS) // lab: stamps 3 and 4 when x and its gain have arrived (not the first tile's)
+    LAB_AFTER(__float_as_uint(xin[0][0].x));
+    LAB_STAMP(3);
+    LAB_AFTER(__float_as_uint(gin[0][0].x));
+    LAB_STAMP(4);
+#endif
 
     // The loads of one tile for this lane: codes of rows g, g + 8 in the warp's CW chunks, and the
     // (scale, bias) pairs of the 2·CW groups they span (one 8·CW-byte load per row; lane c uses
@@ -469,11 +523,16 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     uint4 codes[NB][CW][2];
     u32 par[NB][2][2 * CW];
 
-    // x̂ (with the norm), split into hi + lo and laid out as B registers; thread tid owns the words
-    // (8 consecutive columns) tid, tid + 256, …: word wi = columns 8wi.., chunk wi/16, lane c =
-    // (wi/4)%4, word w = wi%4 of that lane's 16 bytes.
-    {
-        float xv[WPT][8];
+    auto issue_first = [&] {
+#pragma unroll
+        for (int s = 0; s < NB; ++s) {
+            const int t = block + s * nblocks;
+            if (t < tiles) issue(t, codes[s], par[s]);
+        }
+    };
+    // x·gain and Σx² from the loaded x (thread tid owns the words tid, tid + 256, …).
+    float xv[WPT][8];
+    auto x_times_gain = [&] {
         float ss = 0.0f;
 #pragma unroll
         for (int m = 0; m < WPT; ++m) {
@@ -486,6 +545,40 @@ __device__ __forceinline__ void tc_body(const Map& map) {
                 xv[m][i] = v[i] * gn[i];
             }
         }
+        return ss;
+    };
+    // x̂ = x·gain·inv (with the norm), split into hi + lo and laid out as B registers: word wi =
+    // columns 8wi.., chunk wi/16, lane c = (wi/4)%4, word w = wi%4 of that lane's 16 bytes.
+    auto stage = [&](float total) {
+        const float inv = pgain ? 1.0f / sqrtf(total / (float)K + map.eps()) : 1.0f; // x̂ = x / √(mean(x²) + eps)
+#pragma unroll
+        for (int m = 0; m < WPT; ++m) {
+            float x[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) x[i] = pgain ? xv[m][i] * inv : xv[m][i];
+            const int wi = tid + MTC_THREADS * m;
+            tc_stage_word(wi, wi < words, x, bfrag, gsum);
+        }
+    };
+
+    if constexpr (Map::MERGED) {
+        // The block's Σx² (block_sum's order: warp sums, then warps 0..7) and x̂'s staging ride on
+        // the selection's barriers, whose last one publishes both: the weights go out right after.
+        auto pre = [&] {
+            const float ss = warp_sum(x_times_gain());
+            if (lane == 0) scratch[warp] = ss;
+        };
+        auto mid = [&] {
+            float total = 0.0f;
+#pragma unroll
+            for (int w = 0; w < MTC_WARPS; ++w) total += scratch[w];
+            stage(total);
+        };
+        map.prologue_merged(pre, mid);
+        LAB_STAMP(1);
+        issue_first();
+    } else {
+        const float ss = x_times_gain();
         // When the weight loads are issued. The K = 2048 products with fixed rows (in-projections,
         // lm_head): by each thread once its own x has arrived (Σx² depends on it; an empty volatile
         // asm keeps the loads after it), the block's Σx² after — step −21 µs (session 7). The others
@@ -498,32 +591,20 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 #define MTC_WARP_ISSUE 2 // lab: 0 never per thread, 1 for every product
 #endif
         constexpr bool warp_issue = MTC_WARP_ISSUE == 1 || (MTC_WARP_ISSUE == 2 && Map::STATIC_ROWS && CW == 2);
-        auto issue_first = [&] {
-#pragma unroll
-            for (int s = 0; s < NB; ++s) {
-                const int t = block + s * nblocks;
-                if (t < tiles) issue(t, codes[s], par[s]);
-            }
-        };
         if constexpr (warp_issue) {
             asm volatile("" ::"f"(ss));
             if constexpr (!Map::STATIC_ROWS) __syncthreads(); // the routed slots' experts (prologue)
             issue_first();
         }
+#if defined(MTC_LAB_XSTAMPS)
+        LAB_STAMP(5); // the in-projections: their weights issued; the others: before Σx²
+#endif
         const float total = block_sum(ss, scratch);
         if constexpr (!warp_issue) issue_first();
-        const float inv = pgain ? 1.0f / sqrtf(total / (float)K + map.eps()) : 1.0f; // x̂ = x / √(mean(x²) + eps)
         LAB_STAMP(1);
-#pragma unroll
-        for (int m = 0; m < WPT; ++m) {
-            float x[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) x[i] = pgain ? xv[m][i] * inv : xv[m][i];
-            const int wi = tid + MTC_THREADS * m;
-            tc_stage_word(wi, wi < words, x, bfrag, gsum);
-        }
+        stage(total);
+        __syncthreads();
     }
-    __syncthreads();
     LAB_STAMP(2);
     float chunk_scale[CW]; // 1, or the DeltaNet head norm's (read while the first tiles load)
 #pragma unroll
@@ -534,7 +615,11 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     // c = 0, 1 hold its columns), g = 2, 3 of the second (c = 2, 3); every other lane gives zeros.
     const bool b_live = g < 4 && (c >> 1) == (g >> 1);
     auto compute = [&](int t, const uint4 (&cd)[CW][2], const u32 (&pr)[2][2 * CW], int buf) {
+#if defined(MTC_LAB_XSTAMPS)
+        const bool lab_first = false;
+#else
         const bool lab_first = t == block;
+#endif
         if (lab_first) {
             LAB_AFTER(cd[0][0].x);
             LAB_STAMP(3);

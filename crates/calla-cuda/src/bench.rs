@@ -598,26 +598,68 @@ pub fn lab_stamp_intervals(
     lab_stamp_pairs(gpu, kernel, &pairs)
 }
 
+const LAB_BLOCKS: usize = 512;
+const LAB_EVENTS: usize = 8;
+
+/// The stamps of the module whose copy kernel is `kernel`: [block][warp][event], 0 where unset.
+fn lab_stamps_raw(gpu: &Arc<Gpu>, kernel: &str) -> Result<Vec<u64>> {
+    let mut arena = crate::pool::Arena::new(gpu, 1 << 20);
+    let buf = arena.alloc_zeroed(LAB_BLOCKS * 8 * LAB_EVENTS * 8)?;
+    gpu.launch(kernel, (64, 1, 1), 256, 0, &buf.0)?;
+    gpu.sync()?;
+    let mut st = vec![0u64; LAB_BLOCKS * 8 * LAB_EVENTS];
+    gpu.dtoh(buf, &mut st)?;
+    Ok(st)
+}
+
+/// Lab (LAB_STAMPS,LAB_GLOBALTIMER: the stamps are %globaltimer ns, one clock for every SM): each
+/// event's time after the first warp's entry, median and max over the warps that stamped it.
+fn lab_global_report(gpu: &Arc<Gpu>, kernel: &str, events: &[(usize, &str)]) -> Result<String> {
+    let st = lab_stamps_raw(gpu, kernel)?;
+    let warps = LAB_BLOCKS * 8;
+    let Some(t0) = (0..warps)
+        .map(|w| st[w * LAB_EVENTS])
+        .filter(|&v| v != 0)
+        .min()
+    else {
+        return Ok(String::new());
+    };
+    let mut out =
+        format!("lab global times ({kernel}): µs after the first warp's entry, median / max\n");
+    for &(e, name) in events {
+        let mut v: Vec<f64> = (0..warps)
+            .map(|w| st[w * LAB_EVENTS + e])
+            .filter(|&x| x >= t0 && x - t0 < 1 << 30)
+            .map(|x| (x - t0) as f64 / 1000.0)
+            .collect();
+        if v.is_empty() {
+            continue;
+        }
+        v.sort_by(f64::total_cmp);
+        out += &format!(
+            "  {name:<34} {:7.2} {:7.2}  (min {:.2}, {} warps)\n",
+            v[v.len() / 2],
+            v[v.len() - 1],
+            v[0],
+            v.len()
+        );
+    }
+    Ok(out)
+}
+
 /// [`lab_stamp_intervals`] for chosen pairs of stamps (a → b, name).
 pub fn lab_stamp_pairs(
     gpu: &Arc<Gpu>,
     kernel: &str,
     pairs: &[(usize, usize, &str)],
 ) -> Result<Vec<(String, f64, f64, usize)>> {
-    const BLOCKS: usize = 512;
-    const EVENTS: usize = 8;
     let mhz = gpu.clock_mhz()?;
-    let mut arena = crate::pool::Arena::new(gpu, 1 << 20);
-    let buf = arena.alloc_zeroed(BLOCKS * 8 * EVENTS * 8)?;
-    gpu.launch(kernel, (64, 1, 1), 256, 0, &buf.0)?;
-    gpu.sync()?;
-    let mut st = vec![0u64; BLOCKS * 8 * EVENTS];
-    gpu.dtoh(buf, &mut st)?;
+    let st = lab_stamps_raw(gpu, kernel)?;
     let mut out = Vec::new();
     for &(a, b, name) in pairs {
-        let mut v: Vec<f64> = (0..BLOCKS * 8)
+        let mut v: Vec<f64> = (0..LAB_BLOCKS * 8)
             .filter_map(|w| {
-                let (x, y) = (st[w * EVENTS + a], st[w * EVENTS + b]);
+                let (x, y) = (st[w * LAB_EVENTS + a], st[w * LAB_EVENTS + b]);
                 (x != 0 && y > x && y - x < 1 << 24).then(|| (y - x) as f64 / mhz)
             })
             .collect();
@@ -683,6 +725,23 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
             &format!("lab stamps, {what}: µs per warp (SM clock at {mhz:.0} MHz), median / max\n");
         for (name, median, max, warps) in lab_stamp_intervals(gpu, kernel, names)? {
             out += &format!("  {name:<34} {median:7.2} {max:7.2}  ({warps} warps)\n");
+        }
+        let global = std::env::var("CALLA_NVRTC_DEFINES").is_ok_and(|d| d.contains("LAB_GLOBALTIMER"));
+        if global && kernel == "matvec_tc_lab_stamps" {
+            out += &lab_global_report(
+                gpu,
+                kernel,
+                &[
+                    (0, "entry"),
+                    (7, "prologue done"),
+                    (3, "x arrived (XSTAMPS) / first codes"),
+                    (4, "gain arrived (XSTAMPS) / tile 1"),
+                    (5, "weights issued (XSTAMPS) / sums"),
+                    (1, "Σx² reduced, weights issued"),
+                    (2, "x̂ staged"),
+                    (6, "end"),
+                ],
+            )?;
         }
         if kernel == "matvec_tc_lab_stamps" {
             // stamp 7: after the map's prologue (gate/up: the routing), between 0 and 1
