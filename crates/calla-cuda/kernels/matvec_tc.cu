@@ -599,11 +599,30 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 #if defined(MTC_LAB_XSTAMPS)
         LAB_STAMP(5); // the in-projections: their weights issued; the others: before Σx²
 #endif
+#if defined(MTC_LAB_OLD_STAGE) // lab: block_sum's two barriers and a block barrier after the staging
         const float total = block_sum(ss, scratch);
         if constexpr (!warp_issue) issue_first();
         LAB_STAMP(1);
         stage(total);
         __syncthreads();
+#else
+        // block_sum's arithmetic with one barrier, not two: scratch is unused before this point.
+        {
+            const float ssw = warp_sum(ss);
+            if (lane == 0) scratch[warp] = ssw;
+        }
+        __syncthreads();
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MTC_WARPS; ++w) total += scratch[w];
+        if constexpr (!warp_issue) issue_first();
+        LAB_STAMP(1);
+        stage(total);
+        // With CW = 2 a warp stages exactly the words of its own chunks (word tid: chunk tid/16,
+        // warp w's chunks 2w, 2w + 1), which are all its products read: no block barrier.
+        if constexpr (CW == 2 && WPT == 1) __syncwarp();
+        else __syncthreads();
+#endif
     }
     LAB_STAMP(2);
     float chunk_scale[CW]; // 1, or the DeltaNet head norm's (read while the first tiles load)
