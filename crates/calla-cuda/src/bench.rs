@@ -721,27 +721,33 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
             attention,
         ),
     ] {
+        // LAB_GLOBALTIMER: every module's stamps are %globaltimer ns, not SM cycles; the tensor-core
+        // products' are placed on that one clock, the intervals in cycles would mean nothing.
+        let global =
+            std::env::var("CALLA_NVRTC_DEFINES").is_ok_and(|d| d.contains("LAB_GLOBALTIMER"));
+        if global {
+            if kernel == "matvec_tc_lab_stamps" {
+                out += &lab_global_report(
+                    gpu,
+                    kernel,
+                    &[
+                        (0, "entry"),
+                        (7, "prologue done"),
+                        (3, "x arrived (XSTAMPS) / first codes"),
+                        (4, "gain arrived (XSTAMPS) / tile 1"),
+                        (5, "weights issued (XSTAMPS) / sums"),
+                        (1, "Σx² reduced (gate/up: x̂ staged)"),
+                        (2, "x̂ staged (gate/up: weights issued)"),
+                        (6, "end"),
+                    ],
+                )?;
+            }
+            continue;
+        }
         out +=
             &format!("lab stamps, {what}: µs per warp (SM clock at {mhz:.0} MHz), median / max\n");
         for (name, median, max, warps) in lab_stamp_intervals(gpu, kernel, names)? {
             out += &format!("  {name:<34} {median:7.2} {max:7.2}  ({warps} warps)\n");
-        }
-        let global = std::env::var("CALLA_NVRTC_DEFINES").is_ok_and(|d| d.contains("LAB_GLOBALTIMER"));
-        if global && kernel == "matvec_tc_lab_stamps" {
-            out += &lab_global_report(
-                gpu,
-                kernel,
-                &[
-                    (0, "entry"),
-                    (7, "prologue done"),
-                    (3, "x arrived (XSTAMPS) / first codes"),
-                    (4, "gain arrived (XSTAMPS) / tile 1"),
-                    (5, "weights issued (XSTAMPS) / sums"),
-                    (1, "Σx² reduced, weights issued"),
-                    (2, "x̂ staged"),
-                    (6, "end"),
-                ],
-            )?;
         }
         if kernel == "matvec_tc_lab_stamps" {
             // stamp 7: after the map's prologue (gate/up: the routing), between 0 and 1
