@@ -16,7 +16,7 @@ kernels = root / "crates/calla-cuda/kernels"
 common = (kernels / "common.cuh").read_text()
 opts = [b"--std=c++17", b"--fmad=true", b"-default-device", b"--extra-device-vectorization", b"--gpu-architecture=sm_90a",
         b"--ptxas-options=-v"]
-MMA_MODULES = {"matvec_tc", "attention", "gemm", "deltanet_prefill", "attention_prefill", "moe_prefill"}
+MMA_MODULES = {"matvec_tc", "attention", "gemm", "deltanet_prefill", "attention_prefill", "moe_prefill", "lab_stream"}
 for name in sys.argv[1:]:
     # the tensor-core modules get kernels/mma.cuh first, as src/kernels.rs does
     mma = (kernels / "mma.cuh").read_text() + "\n" if name in MMA_MODULES else ""

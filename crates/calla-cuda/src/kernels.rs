@@ -27,8 +27,6 @@ pub const MOE: KernelSource = kernel_source!("moe");
 pub const SELECT: KernelSource = kernel_source!("select");
 pub const FILL: KernelSource = kernel_source!("fill");
 pub const GRID_SYNC: KernelSource = kernel_source!("grid_sync");
-/// Lab only: the streaming floor decode kernels are measured against (tests/gpu/stream_floor.rs).
-pub const LAB_STREAM: KernelSource = kernel_source!("lab_stream");
 
 // The modules that use the tensor cores (the prompt path, decode attention and the q4 decode
 // matvec): kernels/mma.cuh
@@ -56,6 +54,9 @@ pub const GEMM: KernelSource = mma_kernel_source!("gemm");
 pub const DELTANET_PREFILL: KernelSource = mma_kernel_source!("deltanet_prefill");
 pub const ATTENTION_PREFILL: KernelSource = mma_kernel_source!("attention_prefill");
 pub const MOE_PREFILL: KernelSource = mma_kernel_source!("moe_prefill");
+/// Lab only: the streaming floor decode kernels are measured against (tests/gpu/stream_floor.rs);
+/// mma.cuh for its mbarrier helpers (the bulk-copy chain link).
+pub const LAB_STREAM: KernelSource = mma_kernel_source!("lab_stream");
 
 /// The persistent decode layer (kernels/decode_layer.cu): its phases are the device functions of the
 /// decode kernels, so their sources come first (with `#line` markers for compiler messages).

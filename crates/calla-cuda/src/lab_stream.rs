@@ -114,6 +114,62 @@ pub fn chain_link(
     )
 }
 
+/// How a bulk-copy link treats its input (lab_stream.cu stream_chain_bulk).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BulkMode {
+    /// the copies only
+    CopiesOnly = 0,
+    /// x read and summed over the block, then the copies issued (the decode kernels' order)
+    InputFirst = 1,
+    /// the copies issued at entry, x read and summed while they land
+    CopiesFirst = 2,
+}
+
+/// Shared memory of stream_chain_bulk's ring (BULK_STAGES × BULK_CHUNK).
+pub const BULK_RING_BYTES: u32 = 4 * 16384;
+
+/// [`chain_link`] with the bytes brought into shared memory by bulk copies (the TMA engine) rather
+/// than loaded into registers (lab_stream.cu stream_chain_bulk; sm_90).
+#[allow(clippy::too_many_arguments)]
+pub fn chain_link_bulk(
+    gpu: &Gpu,
+    src: DPtr,
+    bytes: usize,
+    x_in: DPtr,
+    x_out: DPtr,
+    xn: usize,
+    out: DPtr,
+    grid: u32,
+    mode: BulkMode,
+) -> Result<Launch> {
+    ensure!(
+        bytes.is_multiple_of(16) && src.0.is_multiple_of(16),
+        "chain_link_bulk: {bytes} bytes at {:#x}: bulk copies move whole, aligned 16-byte chunks",
+        src.0
+    );
+    ensure!(
+        xn.is_multiple_of(4) && xn <= 8 * THREADS as usize,
+        "chain_link_bulk: an input of {xn} floats (whole float4, at most 2 per thread)"
+    );
+    let p = ChainParams {
+        src: src.0,
+        bytes: bytes as u64,
+        x_in: x_in.0,
+        x_out: x_out.0,
+        out: out.0,
+        xn: xn as i32,
+        mode: mode as i32,
+    };
+    Launch::new(
+        gpu,
+        "stream_chain_bulk",
+        (grid.max(1), 1, 1),
+        THREADS,
+        BULK_RING_BYTES,
+        &p,
+    )
+}
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PersistentChainParams {
