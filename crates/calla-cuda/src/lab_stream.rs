@@ -87,23 +87,7 @@ pub fn chain_link(
     grid: u32,
     mode: ChainMode,
 ) -> Result<Launch> {
-    ensure!(
-        bytes.is_multiple_of(16),
-        "chain_link: {bytes} bytes is not whole 16-byte chunks"
-    );
-    ensure!(
-        xn.is_multiple_of(4) && xn <= 8 * THREADS as usize,
-        "chain_link: an input of {xn} floats (whole float4, at most 2 per thread)"
-    );
-    let p = ChainParams {
-        src: src.0,
-        bytes: bytes as u64,
-        x_in: x_in.0,
-        x_out: x_out.0,
-        out: out.0,
-        xn: xn as i32,
-        mode: mode as i32,
-    };
+    let p = chain_params(src, bytes, x_in, x_out, xn, out, mode as i32)?;
     Launch::new(
         gpu,
         "stream_chain_link",
@@ -143,23 +127,11 @@ pub fn chain_link_bulk(
     mode: BulkMode,
 ) -> Result<Launch> {
     ensure!(
-        bytes.is_multiple_of(16) && src.0.is_multiple_of(16),
-        "chain_link_bulk: {bytes} bytes at {:#x}: bulk copies move whole, aligned 16-byte chunks",
+        src.0.is_multiple_of(16),
+        "chain_link_bulk: bulk copies start at 16-byte boundaries, not at {:#x}",
         src.0
     );
-    ensure!(
-        xn.is_multiple_of(4) && xn <= 8 * THREADS as usize,
-        "chain_link_bulk: an input of {xn} floats (whole float4, at most 2 per thread)"
-    );
-    let p = ChainParams {
-        src: src.0,
-        bytes: bytes as u64,
-        x_in: x_in.0,
-        x_out: x_out.0,
-        out: out.0,
-        xn: xn as i32,
-        mode: mode as i32,
-    };
+    let p = chain_params(src, bytes, x_in, x_out, xn, out, mode as i32)?;
     Launch::new(
         gpu,
         "stream_chain_bulk",
@@ -168,6 +140,36 @@ pub fn chain_link_bulk(
         BULK_RING_BYTES,
         &p,
     )
+}
+
+/// A chain link's parameters, checked: whole 16-byte chunks, an input of whole float4 that the
+/// block's threads read in at most two loads each.
+fn chain_params(
+    src: DPtr,
+    bytes: usize,
+    x_in: DPtr,
+    x_out: DPtr,
+    xn: usize,
+    out: DPtr,
+    mode: i32,
+) -> Result<ChainParams> {
+    ensure!(
+        bytes.is_multiple_of(16),
+        "chain link: {bytes} bytes is not whole 16-byte chunks"
+    );
+    ensure!(
+        xn.is_multiple_of(4) && xn <= 8 * THREADS as usize,
+        "chain link: an input of {xn} floats (whole float4, at most 2 per thread)"
+    );
+    Ok(ChainParams {
+        src: src.0,
+        bytes: bytes as u64,
+        x_in: x_in.0,
+        x_out: x_out.0,
+        out: out.0,
+        xn: xn as i32,
+        mode,
+    })
 }
 
 #[repr(C)]
