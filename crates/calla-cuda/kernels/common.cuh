@@ -143,6 +143,21 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     for (int w = 0; w < nwarps; ++w) total += scratch[w];
     return total;
 }
+// block_sum in two halves, for a caller whose own barrier comes between them, or whose scratch has
+// not been used before (block_sum's first barrier only guards a scratch in use): post (each warp's
+// sum into scratch[warp]; lane and warp are the thread's), a barrier, collect (the NW warps' sums
+// added in warp order).
+__device__ __forceinline__ void block_sum_post(float v, float* scratch, int lane, int warp) {
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+}
+template <int NW>
+__device__ __forceinline__ float block_sum_collect(const float* scratch) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) total += scratch[w];
+    return total;
+}
 __device__ __forceinline__ float block_max(float v, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
     v = warp_max(v);

@@ -137,9 +137,10 @@ __device__ __forceinline__ void tc_chunk(const uint4& r0, const uint4& r8, u32 s
 // What the body below needs to know about one kind of product (a "map"): how many 16-row tiles,
 // where tile row r's codes and (scale, bias) start, the input vector (and its norm gain, or 0), and
 // what to do with the 16 row sums of a tile (`finish`, threads tid < 16 of the block: red[w][r] is
-// warp w's share of row r). `prologue` runs in every thread once x's loads are issued (what it writes
-// to shared memory is published by the x barrier). HEAD_NORM and `chunk_scales`: a scale per chunk of
-// 128 columns on its products (the DeltaNet head norm). lab(): whether its launches write lab stamps.
+// warp w's share of row r). Maps whose rows are not STATIC_ROWS (gate/up) select them in
+// `prologue_staged`, with the body's Σx² and x̂ staging as hooks between its barriers. HEAD_NORM and
+// `chunk_scales`: a scale per chunk of 128 columns on its products (the DeltaNet head norm). lab():
+// whether its launches write lab stamps.
 
 // The fused routing's producer side (common.cuh, "fused routing"): an out-projection y = h += W·x
 // whose blocks, once a tile's 16 rows of h are final, add those columns' share of every router row,
@@ -261,7 +262,6 @@ struct MatvecMapT {
     static constexpr bool HEAD_NORM = HN;
     typedef typename PickType<ROUTE, RouteRegs, NoTail>::type Tail;
     static constexpr bool STATIC_ROWS = true; // row() depends on the parameters only
-    static constexpr bool MERGED = false;     // see GateUpMap
     __device__ int lab() const { return MTC_LAB_MATVEC; }
     const MatvecParams& p;
     const TcMatvecParams& tp;
@@ -270,9 +270,6 @@ struct MatvecMapT {
     __device__ u64 norm_gain() const { return p.norm_gain; }
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.K; }
-    __device__ void prologue() const {}
-    template <typename Pre, typename Mid>
-    __device__ void prologue_merged(const Pre&, const Mid&) const {}
     // The input scales of this warp's CW chunks (HEAD_NORM): lane 8·ch + q reads part q of chunk ch's
     // head, the 8 lanes add them in a fixed tree (the same sum in every warp and block).
     template <int CW>
@@ -359,14 +356,7 @@ struct GateUpMap {
     __device__ float eps() const { return p.eps; }
     __device__ int K() const { return p.D; }
     static constexpr bool HEAD_NORM = false;
-    static constexpr bool STATIC_ROWS = false; // the routed slots' rows follow the selection
-    // x̂ is staged between the selection's barriers (prologue_merged) rather than after it with
-    // barriers of its own: 7 block barriers between the routing sums and the weight loads become 2
-    // (docs/performance.md, session 12). Lab: MTC_GATE_UP_MERGED=0 for the old order.
-#ifndef MTC_GATE_UP_MERGED
-#define MTC_GATE_UP_MERGED 1
-#endif
-    static constexpr bool MERGED = MTC_GATE_UP_MERGED;
+    static constexpr bool STATIC_ROWS = false; // the routed slots' rows follow the selection (prologue_staged)
 #if defined(MTC_LAB_DN_INPROJ_ONLY)
     __device__ int lab() const { return 0; }
 #else
@@ -374,14 +364,6 @@ struct GateUpMap {
 #endif
     template <int CW>
     __device__ void chunk_scales(int, int, float (&)[CW]) const {}
-    __device__ void prologue() const {
-        if (r.logits) {
-            const float gate_logit = route_load_logits(r, sel->sl);
-            route_select(r, sel->sl, gate_logit, sel->id, sel->w, sel->red, sel->cand,
-                         blockIdx.x == 0 && blockIdx.y == 0);
-        }
-        fill_experts();
-    }
     // The slots' experts given in topk_ids (no selection here) into shared memory; with a selection
     // row() reads sel->id.
     __device__ void fill_experts() const {
@@ -393,9 +375,11 @@ struct GateUpMap {
     }
     // The routing with the caller's hooks between its barriers (select_top: `pre` before the
     // candidates' barrier, `mid` after it); ends with a barrier that publishes the selected experts
-    // and what `mid` wrote. Without a selection here: pre, barrier, mid, barrier.
+    // and what `mid` wrote. Without a selection here: pre, barrier, mid, barrier. The body stages x̂
+    // in the hooks rather than after the selection with barriers of its own: 7 block barriers between
+    // the routing sums and the weight loads became 2 (docs/performance.md, session 12).
     template <typename Pre, typename Mid>
-    __device__ void prologue_merged(const Pre& pre, const Mid& mid) const {
+    __device__ void prologue_staged(const Pre& pre, const Mid& mid) const {
         if (r.logits) {
             const float gate_logit = route_load_logits(r, sel->sl);
             route_select<false>(r, sel->sl, gate_logit, sel->id, sel->w, sel->red, sel->cand,
@@ -483,7 +467,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 
     const float y_old = MTC_EARLY_OLD && block < tiles ? map.old_value(block, tid) : 0.0f;
     const typename Map::Tail tail_first = map.tail_load(min(block, tiles - 1)); // fused routing's loads
-    if constexpr (!Map::MERGED) map.prologue(); // while x is on its way (gate/up: the routing)
     LAB_STAMP(7);
 #if defined(MTC_LAB_XSTAMPS) // lab: stamps 3 and 4 when x and its gain have arrived (not the first tile's)
     LAB_AFTER(__float_as_uint(xin[0][0].x));
@@ -561,20 +544,12 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         }
     };
 
-    if constexpr (Map::MERGED) {
-        // The block's Σx² (block_sum's order: warp sums, then warps 0..7) and x̂'s staging ride on
-        // the selection's barriers, whose last one publishes both: the weights go out right after.
-        auto pre = [&] {
-            const float ss = warp_sum(x_times_gain());
-            if (lane == 0) scratch[warp] = ss;
-        };
-        auto mid = [&] {
-            float total = 0.0f;
-#pragma unroll
-            for (int w = 0; w < MTC_WARPS; ++w) total += scratch[w];
-            stage(total);
-        };
-        map.prologue_merged(pre, mid);
+    if constexpr (!Map::STATIC_ROWS) {
+        // The block's Σx² and x̂'s staging ride on the selection's barriers, whose last one
+        // publishes both: the weights go out right after.
+        auto pre = [&] { block_sum_post(x_times_gain(), scratch, lane, warp); };
+        auto mid = [&] { stage(block_sum_collect<MTC_WARPS>(scratch)); };
+        map.prologue_staged(pre, mid);
         LAB_STAMP(1);
         issue_first();
     } else {
@@ -582,47 +557,33 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         // When the weight loads are issued. The K = 2048 products with fixed rows (in-projections,
         // lm_head): by each thread once its own x has arrived (Σx² depends on it; an empty volatile
         // asm keeps the loads after it), the block's Σx² after — step −21 µs (session 7). The others
-        // (gate/up, the K = 4096 out-projections): after the block's Σx², whose barrier also waits for
+        // (the K = 4096 out-projections): after the block's Σx², whose barrier also waits for
         // every warp's x — issued per thread they took 0.3–0.4 µs longer. Never before x has arrived:
         // behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive (session 5); issued right
         // behind x's requests without waiting for them, the in-projections took 10.7 → 11.9 µs and the
         // out-projections 6.5 → 7.7 (session 9).
 #ifndef MTC_WARP_ISSUE
-#define MTC_WARP_ISSUE 2 // lab: 0 never per thread, 1 for every product
+#define MTC_WARP_ISSUE 2 // lab: 0 never per thread, 1 for every fixed-row product
 #endif
-        constexpr bool warp_issue = MTC_WARP_ISSUE == 1 || (MTC_WARP_ISSUE == 2 && Map::STATIC_ROWS && CW == 2);
+        constexpr bool warp_issue = MTC_WARP_ISSUE == 1 || (MTC_WARP_ISSUE == 2 && CW == 2);
         if constexpr (warp_issue) {
             asm volatile("" ::"f"(ss));
-            if constexpr (!Map::STATIC_ROWS) __syncthreads(); // the routed slots' experts (prologue)
             issue_first();
         }
 #if defined(MTC_LAB_XSTAMPS)
         LAB_STAMP(5); // the in-projections: their weights issued; the others: before Σx²
 #endif
-#if defined(MTC_LAB_OLD_STAGE) // lab: block_sum's two barriers and a block barrier after the staging
-        const float total = block_sum(ss, scratch);
-        if constexpr (!warp_issue) issue_first();
-        LAB_STAMP(1);
-        stage(total);
+        // block_sum with one barrier, not two: scratch is unused before this point.
+        block_sum_post(ss, scratch, lane, warp);
         __syncthreads();
-#else
-        // block_sum's arithmetic with one barrier, not two: scratch is unused before this point.
-        {
-            const float ssw = warp_sum(ss);
-            if (lane == 0) scratch[warp] = ssw;
-        }
-        __syncthreads();
-        float total = 0.0f;
-#pragma unroll
-        for (int w = 0; w < MTC_WARPS; ++w) total += scratch[w];
+        const float total = block_sum_collect<MTC_WARPS>(scratch);
         if constexpr (!warp_issue) issue_first();
         LAB_STAMP(1);
         stage(total);
         // With CW = 2 a warp stages exactly the words of its own chunks (word tid: chunk tid/16,
         // warp w's chunks 2w, 2w + 1), which are all its products read: no block barrier.
-        if constexpr (CW == 2 && WPT == 1) __syncwarp();
+        if constexpr (CW == 2) __syncwarp();
         else __syncthreads();
-#endif
     }
     LAB_STAMP(2);
     float chunk_scale[CW]; // 1, or the DeltaNet head norm's (read while the first tiles load)
