@@ -60,18 +60,29 @@ pub struct ChainParams {
     pub mode: i32,
 }
 
-/// How a link of the synthetic decode chain treats its input (lab_stream.cu stream_chain_link).
+/// How a link of the synthetic decode chain treats its input and brings in its bytes (lab_stream.cu
+/// stream_chain_link: 16-byte loads into registers; stream_chain_bulk: bulk copies into shared
+/// memory by the TMA engine, sm_90).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChainMode {
     /// the stream only
-    StreamOnly = 0,
+    StreamOnly,
     /// x read and summed over the block, then the stream (the decode kernels' order)
-    InputFirst = 1,
+    InputFirst,
     /// x requested and the stream issued behind it at once
-    InputWithStream = 2,
+    InputWithStream,
     /// as InputFirst, block b reading its own copy at x_in + b·xn
-    InputFirstOwnCopy = 3,
+    InputFirstOwnCopy,
+    /// bulk copies only
+    BulkOnly,
+    /// x read and summed, then the bulk copies issued
+    BulkAfterInput,
+    /// the bulk copies issued at entry, x read and summed while they land
+    BulkAtEntry,
 }
+
+/// Shared memory of stream_chain_bulk's ring (BULK_STAGES × BULK_CHUNK).
+const BULK_RING_BYTES: u32 = 4 * 16384;
 
 /// One link of the synthetic decode chain: stream `bytes` from `src` with `grid` blocks, read
 /// `x_in` and write `x_out` (`xn` f32 each) as `mode` says.
@@ -87,89 +98,35 @@ pub fn chain_link(
     grid: u32,
     mode: ChainMode,
 ) -> Result<Launch> {
-    let p = chain_params(src, bytes, x_in, x_out, xn, out, mode as i32)?;
-    Launch::new(
-        gpu,
-        "stream_chain_link",
-        (grid.max(1), 1, 1),
-        THREADS,
-        0,
-        &p,
-    )
-}
-
-/// How a bulk-copy link treats its input (lab_stream.cu stream_chain_bulk).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BulkMode {
-    /// the copies only
-    CopiesOnly = 0,
-    /// x read and summed over the block, then the copies issued (the decode kernels' order)
-    InputFirst = 1,
-    /// the copies issued at entry, x read and summed while they land
-    CopiesFirst = 2,
-}
-
-/// Shared memory of stream_chain_bulk's ring (BULK_STAGES × BULK_CHUNK).
-pub const BULK_RING_BYTES: u32 = 4 * 16384;
-
-/// [`chain_link`] with the bytes brought into shared memory by bulk copies (the TMA engine) rather
-/// than loaded into registers (lab_stream.cu stream_chain_bulk; sm_90).
-#[allow(clippy::too_many_arguments)]
-pub fn chain_link_bulk(
-    gpu: &Gpu,
-    src: DPtr,
-    bytes: usize,
-    x_in: DPtr,
-    x_out: DPtr,
-    xn: usize,
-    out: DPtr,
-    grid: u32,
-    mode: BulkMode,
-) -> Result<Launch> {
     ensure!(
-        src.0.is_multiple_of(16),
-        "chain_link_bulk: bulk copies start at 16-byte boundaries, not at {:#x}",
+        bytes.is_multiple_of(16) && src.0.is_multiple_of(16),
+        "chain_link: {bytes} bytes at {:#x}: whole 16-byte chunks from a 16-byte boundary",
         src.0
-    );
-    let p = chain_params(src, bytes, x_in, x_out, xn, out, mode as i32)?;
-    Launch::new(
-        gpu,
-        "stream_chain_bulk",
-        (grid.max(1), 1, 1),
-        THREADS,
-        BULK_RING_BYTES,
-        &p,
-    )
-}
-
-/// A chain link's parameters, checked: whole 16-byte chunks, an input of whole float4 that the
-/// block's threads read in at most two loads each.
-fn chain_params(
-    src: DPtr,
-    bytes: usize,
-    x_in: DPtr,
-    x_out: DPtr,
-    xn: usize,
-    out: DPtr,
-    mode: i32,
-) -> Result<ChainParams> {
-    ensure!(
-        bytes.is_multiple_of(16),
-        "chain link: {bytes} bytes is not whole 16-byte chunks"
     );
     ensure!(
         xn.is_multiple_of(4) && xn <= 8 * THREADS as usize,
-        "chain link: an input of {xn} floats (whole float4, at most 2 per thread)"
+        "chain_link: an input of {xn} floats (whole float4, at most 2 per thread)"
     );
-    Ok(ChainParams {
+    // the kernel, its mode number and its shared memory
+    let (kernel, kmode, smem) = match mode {
+        ChainMode::StreamOnly => ("stream_chain_link", 0, 0),
+        ChainMode::InputFirst => ("stream_chain_link", 1, 0),
+        ChainMode::InputWithStream => ("stream_chain_link", 2, 0),
+        ChainMode::InputFirstOwnCopy => ("stream_chain_link", 3, 0),
+        ChainMode::BulkOnly => ("stream_chain_bulk", 0, BULK_RING_BYTES),
+        ChainMode::BulkAfterInput => ("stream_chain_bulk", 1, BULK_RING_BYTES),
+        ChainMode::BulkAtEntry => ("stream_chain_bulk", 2, BULK_RING_BYTES),
+    };
+    let p = ChainParams {
         src: src.0,
         bytes: bytes as u64,
         x_in: x_in.0,
         x_out: x_out.0,
         out: out.0,
         xn: xn as i32,
-        mode,
-    })
+        mode: kmode,
+    };
+    Launch::new(gpu, kernel, (grid.max(1), 1, 1), THREADS, smem, &p)
 }
 
 #[repr(C)]

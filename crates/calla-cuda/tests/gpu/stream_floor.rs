@@ -9,8 +9,7 @@ use calla_cuda::bench::lab_stamp_intervals;
 use calla_cuda::gpu::{DPtr, Gpu, Launch};
 use calla_cuda::graph::StepGraph;
 use calla_cuda::lab_stream::{
-    chain_link, chain_link_bulk, chain_persistent, red_link, stream_read, BulkMode, ChainMode,
-    RedMode,
+    chain_link, chain_persistent, red_link, stream_read, ChainMode, RedMode,
 };
 use calla_cuda::matvec::{matvec_on, DotEngine};
 use calla_cuda::pool::Arena;
@@ -312,42 +311,19 @@ fn decode_chain_against_its_floor() {
     // The bytes into shared memory by bulk copies (the TMA engine) instead of loads into registers:
     // does x's read wait behind copies issued at entry, as it waits behind loads (session 5) and L2
     // prefetches (session 12)? (Added in session 12, not yet run.)
-    let chain_bulk = |mode: BulkMode| -> Vec<Launch> {
-        let mut offset = 0;
-        links
-            .iter()
-            .enumerate()
-            .map(|(i, &(_, bytes, grid))| {
-                let src = weights.offset(offset);
-                offset += bytes.div_ceil(16) * 16;
-                chain_link_bulk(
-                    &gpu,
-                    src,
-                    bytes.div_ceil(16) * 16,
-                    xs[i % 2],
-                    xs[(i + 1) % 2],
-                    xn,
-                    sink,
-                    grid,
-                    mode,
-                )
-                .unwrap()
-            })
-            .collect()
-    };
     step(
         "bulk copies into shared memory only",
-        &chain_bulk(BulkMode::CopiesOnly),
+        &chain(ChainMode::BulkOnly, &|b| b),
         total,
     );
     step(
         "x read and summed, then bulk copies",
-        &chain_bulk(BulkMode::InputFirst),
+        &chain(ChainMode::BulkAfterInput, &|b| b),
         total,
     );
     step(
         "bulk copies issued at entry, x read meanwhile",
-        &chain_bulk(BulkMode::CopiesFirst),
+        &chain(ChainMode::BulkAtEntry, &|b| b),
         total,
     );
     // What the input costs: the same 8 KB from a buffer no link writes (no dependency), and 32 bytes
