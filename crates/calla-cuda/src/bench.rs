@@ -702,6 +702,9 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
         "→ its row sums (barrier)",
         "→ kernel end",
     ];
+    // LAB_GLOBALTIMER: every module's stamps are %globaltimer ns, not SM cycles; the tensor-core
+    // products' are placed on that one clock, the intervals in cycles would mean nothing.
+    let global = std::env::var("CALLA_NVRTC_DEFINES").is_ok_and(|d| d.contains("LAB_GLOBALTIMER"));
     let mut out = String::new();
     for (kernel, what, names) in [
         (
@@ -721,10 +724,6 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
             attention,
         ),
     ] {
-        // LAB_GLOBALTIMER: every module's stamps are %globaltimer ns, not SM cycles; the tensor-core
-        // products' are placed on that one clock, the intervals in cycles would mean nothing.
-        let global =
-            std::env::var("CALLA_NVRTC_DEFINES").is_ok_and(|d| d.contains("LAB_GLOBALTIMER"));
         if global {
             if kernel == "matvec_tc_lab_stamps" {
                 out += &lab_global_report(
