@@ -107,12 +107,6 @@ static_assert(sizeof(ChainParams) == 48, "ChainParams layout differs from its Ru
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // mma.cuh's mbarrier helpers; bulk copies need sm_90
 #define BULK_STAGES 4
 #define BULK_CHUNK 16384
-__device__ __forceinline__ void bulk_copy_g2s(u32 dst, u64 src, u32 bytes, u32 bar) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
 extern "C" __global__ void __launch_bounds__(256) stream_chain_bulk(const ChainParams p) {
     extern __shared__ float4 ring4[];
     __shared__ __align__(8) u64 bars[BULK_STAGES];
@@ -124,13 +118,15 @@ extern "C" __global__ void __launch_bounds__(256) stream_chain_bulk(const ChainP
     const u32 ring_s = smem_addr(ring4), bars_s = smem_addr(bars);
     if (threadIdx.x == 0) {
         for (int s = 0; s < BULK_STAGES; ++s) mbar_init(bars_s + 8 * s, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_mbar_init();
     }
     __syncthreads();
     auto issue = [&](int k) { // thread 0: chunk k into stage k % BULK_STAGES
         const int s = k % BULK_STAGES;
         const i64 off = begin + (i64)k * BULK_CHUNK;
-        bulk_copy_g2s(ring_s + s * BULK_CHUNK, p.src + off, (u32)min((i64)BULK_CHUNK, end - off), bars_s + 8 * s);
+        const u32 bytes = (u32)min((i64)BULK_CHUNK, end - off);
+        mbar_arrive_expect_tx(bars_s + 8 * s, bytes);
+        bulk_copy_g2s(ring_s + s * BULK_CHUNK, (const void*)(p.src + off), bytes, bars_s + 8 * s);
     };
     float ss = 0.0f;
     if (p.mode == 1) ss = block_sum(chain_input_sumsq((const float*)p.x_in, p.xn), red);

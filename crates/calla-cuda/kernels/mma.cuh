@@ -198,6 +198,19 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
                  "r"(parity)
                  : "memory");
 }
+// Bulk copies (the TMA engine) from global into shared memory, completing on an mbarrier: one thread
+// announces a phase's bytes (its arrival), and any threads issue copies of 16-byte multiples between
+// 16-byte-aligned addresses whose bytes count against that phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// Makes mbarrier inits visible to the async proxy (the bulk copies' complete_tx) and other threads.
+__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // Pins accumulator registers at this point of the program (the compiler must not move their reads
 // above a wgmma wait or their writes below a wgmma issue).
 __device__ __forceinline__ void wgmma_pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
