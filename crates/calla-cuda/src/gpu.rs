@@ -180,22 +180,6 @@ impl Gpu {
         let f = module
             .load_function(name)
             .with_context(|| format!("kernel {name} not found in its module"))?;
-        // Lab: CALLA_LAB_CARVEOUT=N (percent of the unified L1 given to shared memory) for every
-        // kernel, so consecutive kernels with different shared-memory needs share one split.
-        // CALLA_LAB_CARVEOUT_SKIP=prefix leaves the kernels whose names start with it alone.
-        let skip = std::env::var("CALLA_LAB_CARVEOUT_SKIP")
-            .is_ok_and(|p| !p.is_empty() && name.starts_with(p.as_str()));
-        if let Some(pct) = std::env::var("CALLA_LAB_CARVEOUT")
-            .ok()
-            .and_then(|v| v.parse::<i32>().ok())
-            .filter(|_| !skip)
-        {
-            f.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                pct,
-            )
-            .with_context(|| format!("{name}: shared-memory carveout {pct}%"))?;
-        }
         map.insert(name.to_string(), f.clone());
         Ok(f)
     }
