@@ -405,12 +405,7 @@ __device__ __forceinline__ void attn_decode_body(const AttnDecodeParams& p) {
 //   + max((G+1)·Dh, KGROUPS·16·RED_PITCH)·4 (q rows and the k row, then the score partials)
 //   + 2·Dh·2 (K[p], V[p] bf16).
 #define ATTN_WARPS 8
-#ifndef ATTN_STAGES
-#define ATTN_STAGES 3 // lab: CALLA_NVRTC_DEFINES=ATTN_STAGES=n with CALLA_LAB_ATTN_STAGES=n (the launcher's smem)
-#endif
-#ifndef ATTN_PREFETCH
-#define ATTN_PREFETCH 0 // lab: tiles requested into L2 beyond the cp.async ring
-#endif
+#define ATTN_STAGES 3
 #define ATTN_KGROUPS 4    // score partial sums per (position, head)
 #define ATTN_RED_PITCH 40 // f32 per score-partial row [kgroup][head][position]: float2 reads conflict-free
 
@@ -689,19 +684,6 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
                 attn_issue_tile(kv_s + (next % ATTN_STAGES) * stage_elems, kc, vc, nb, nn, np, Dh);
             }
             cp_async_commit();
-#if ATTN_PREFETCH > 0
-            // Tiles beyond the ring requested into L2 (K and V of a tile are contiguous in the cache),
-            // so more of a long split's bytes are in flight than the shared-memory ring holds: on the
-            // first tile the ATTN_PREFETCH after the ring, then one more per tile.
-            if (tid == 0)
-                for (int f = i == 0 ? 1 : ATTN_PREFETCH; f <= ATTN_PREFETCH; ++f)
-                    if (next + f < ntiles) {
-                        int fb, fn, fp;
-                        tile_rows(next + f, fb, fn, fp);
-                        bulk_prefetch_l2(kc + (i64)fb * Dh, (u32)(fn * Dh * 2));
-                        bulk_prefetch_l2(vc + (i64)fb * Dh, (u32)(fn * Dh * 2));
-                    }
-#endif
         }
         // scores: this warp's 16 positions × its d-chunks; hi and lo products in two chains
         float sh[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};

@@ -209,10 +209,6 @@ __device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 byte
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
-// Asks the TMA engine to bring `bytes` (a multiple of 16, from a 16-byte-aligned address) into L2.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
 // Makes mbarrier inits visible to the async proxy (the bulk copies' complete_tx) and other threads.
 __device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // Pins accumulator registers at this point of the program (the compiler must not move their reads

@@ -160,11 +160,7 @@ pub fn decode_smem(spec: &ModelSpec, kv: KvDtype) -> usize {
             g * dh * 4 + 2 * dh * 4 + tiles.max(g * MAX_MERGE * 4)
         }
         KvDtype::Bf16 => {
-            let stages = std::env::var("CALLA_LAB_ATTN_STAGES")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(BF16_STAGES);
-            let ring = stages * 2 * TILE * (dh + 8) * 2;
+            let ring = BF16_STAGES * 2 * TILE * (dh + 8) * 2;
             let rows = ((g + 1) * dh).max(BF16_KGROUPS * 16 * BF16_RED_PITCH) * 4;
             ring + rows + 2 * dh * 2
         }
@@ -262,11 +258,7 @@ pub fn decode(
 /// Grid splits for a cache of `max_ctx` positions: enough blocks to fill the GPU at long context,
 /// never more than the context has tiles.
 pub fn num_splits(max_ctx: usize) -> usize {
-    let most = std::env::var("CALLA_LAB_ATTN_SPLITS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(128);
-    max_ctx.div_ceil(TILE).clamp(1, most.max(1))
+    max_ctx.div_ceil(TILE).clamp(1, 128)
 }
 
 /// Live splits at position `pos` with `nsplit` grid splits (attention.cu attn_live_splits): the
