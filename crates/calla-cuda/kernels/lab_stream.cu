@@ -81,6 +81,7 @@ __device__ __forceinline__ float chain_input_sumsq(const float* x, int xn) {
 
 extern "C" __global__ void __launch_bounds__(256) stream_chain_link(const ChainParams p) {
     __shared__ float red[32];
+    griddep_enter(); // CALLA_PDL=1: the link before has finished once this returns
     const float* x_in = (const float*)p.x_in + (p.mode == 3 ? (i64)blockIdx.x * p.xn : 0);
     float ss = p.mode != 0 ? chain_input_sumsq(x_in, p.xn) : 0.0f;
     if (p.mode == 1 || p.mode == 3) ss = block_sum(ss, red);
@@ -129,9 +130,13 @@ extern "C" __global__ void __launch_bounds__(256) stream_chain_bulk(const ChainP
         bulk_copy_g2s(ring_s + s * BULK_CHUNK, (const void*)(p.src + off), bytes, bars_s + 8 * s);
     };
     float ss = 0.0f;
+    // CALLA_PDL=1: mode 2's copies go out before the wait (its bytes do not depend on the link
+    // before, so they can stream while that link still runs), the other modes' after it.
+    if (p.mode != 2) griddep_enter();
     if (p.mode == 1) ss = block_sum(chain_input_sumsq((const float*)p.x_in, p.xn), red);
     if (threadIdx.x == 0)
         for (int k = 0; k < min(nchunks, BULK_STAGES); ++k) issue(k);
+    if (p.mode == 2) griddep_enter();
     if (p.mode == 2) ss = block_sum(chain_input_sumsq((const float*)p.x_in, p.xn), red);
     u32 acc = 0;
     for (int k = 0; k < nchunks; ++k) {

@@ -31,7 +31,8 @@ impl StepGraph {
         let mut failed = None;
         let pdl = programmatic_launch_enabled();
         for (i, l) in launches.iter().enumerate() {
-            let run = if pdl && i > 0 && waits_for_predecessor(&l.name) {
+            let run = if pdl && i > 0 && waits_for_predecessor(&l.name) && programmatic_for(&l.name)
+            {
                 l.run_programmatic(gpu)
             } else {
                 l.run(gpu)
@@ -70,10 +71,21 @@ pub fn programmatic_launch_enabled() -> bool {
     std::env::var("CALLA_PDL").is_ok_and(|v| v == "1")
 }
 
+/// Lab: CALLA_PDL_ONLY=prefix[,prefix…] (with CALLA_PDL=1) launches only the kernels whose names
+/// start with one of them programmatically.
+fn programmatic_for(kernel: &str) -> bool {
+    match std::env::var("CALLA_PDL_ONLY") {
+        Ok(list) => list
+            .split(',')
+            .any(|p| !p.is_empty() && kernel.starts_with(p)),
+        Err(_) => true,
+    }
+}
+
 /// Kernels that call `griddep_wait()` (common.cuh) before touching anything an earlier kernel
 /// wrote or reads, on every path: only these may start before their predecessor finishes.
 pub fn waits_for_predecessor(kernel: &str) -> bool {
-    const READY: [&str; 8] = [
+    const READY: [&str; 10] = [
         "matvec_",
         "moe_router_",
         "moe_gate_up_",
@@ -82,6 +94,8 @@ pub fn waits_for_predecessor(kernel: &str) -> bool {
         "attn_prep_",
         "attn_decode_",
         "attn_combine",
+        "stream_chain_link", // the chain lab (tests/gpu/stream_floor.rs)
+        "stream_chain_bulk",
     ];
     READY.iter().any(|p| kernel.starts_with(p))
 }
