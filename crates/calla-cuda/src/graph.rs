@@ -29,10 +29,8 @@ impl StepGraph {
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .context("beginning graph capture")?;
         let mut failed = None;
-        let pdl = programmatic_launch_enabled();
         for (i, l) in launches.iter().enumerate() {
-            let run = if pdl && i > 0 && waits_for_predecessor(&l.name) && programmatic_for(&l.name)
-            {
+            let run = if i > 0 && programmatic_launch(&l.name) {
                 l.run_programmatic(gpu)
             } else {
                 l.run(gpu)
@@ -64,21 +62,31 @@ impl StepGraph {
 }
 
 /// Programmatic dependent launch inside the decode graph (a kernel's blocks may start while its
-/// predecessor's last blocks run). Off unless CALLA_PDL=1: measured slower both ways it was built
-/// (docs/performance.md: triggered at entry 442 → 372 tok/s, session 5; triggered after the wait,
-/// common.cuh griddep_enter, 480 → 457, session 7).
-pub fn programmatic_launch_enabled() -> bool {
-    std::env::var("CALLA_PDL").is_ok_and(|v| v == "1")
-}
+/// predecessor's last blocks run, and wait in `griddep_wait()`): by default for the K = 2048
+/// tensor-core matvecs only (the in-projections and lm_head), which follow the MoE down kernel, whose
+/// one block per SM leaves room for theirs: step −16 µs at 4K (docs/performance.md, session 13).
+/// For every kernel it was slower each way it was built (sessions 5, 7, 13: +343 µs), and per kernel
+/// class it was neutral (gate/up, attention) or slower (down +112 µs, the out-projections +55…+63,
+/// DeltaNet +15), each where the kernel before fills the SMs' registers. Lab: CALLA_PDL=1 for every
+/// kernel that waits, CALLA_PDL=0 for none, CALLA_PDL_ONLY=prefix[,prefix…] for those named.
+const PROGRAMMATIC_BY_DEFAULT: [&str; 1] = ["matvec_tc_q4_c2"];
 
-/// Lab: CALLA_PDL_ONLY=prefix[,prefix…] (with CALLA_PDL=1) launches only the kernels whose names
-/// start with one of them programmatically.
-fn programmatic_for(kernel: &str) -> bool {
-    match std::env::var("CALLA_PDL_ONLY") {
-        Ok(list) => list
+/// Whether the launch of `kernel` in the decode graph is programmatic (see above).
+pub fn programmatic_launch(kernel: &str) -> bool {
+    if !waits_for_predecessor(kernel) {
+        return false;
+    }
+    if let Ok(list) = std::env::var("CALLA_PDL_ONLY") {
+        return list
             .split(',')
-            .any(|p| !p.is_empty() && kernel.starts_with(p)),
-        Err(_) => true,
+            .any(|p| !p.is_empty() && kernel.starts_with(p));
+    }
+    match std::env::var("CALLA_PDL").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => PROGRAMMATIC_BY_DEFAULT
+            .iter()
+            .any(|p| kernel.starts_with(p)),
     }
 }
 
