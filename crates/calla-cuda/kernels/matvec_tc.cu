@@ -429,6 +429,49 @@ struct GateUpMap {
 #define MTC_EARLY_OLD 1
 #endif
 
+// Lab, off (MTC_BULK=1, sm_90): the fixed-row products (STATIC_ROWS: in-projections, out-projections,
+// lm_head) take their weights through shared memory by bulk copies (the TMA engine) that the last
+// warp requests before griddep_enter() (the weights depend on no kernel), so with programmatic launch
+// they go out while the kernel before still runs. Lane r < 16 copies row r's codes, lane 16 + r its
+// (scale, bias) pairs (MTC_BULK_TILE: one copy each when the tile's rows are contiguous); a stage's
+// mbarrier completes when its bytes have landed, and it is refilled with the block's tile j + STAGES
+// once every warp has passed tile j's reduction barrier. Rows sit at a pitch 64 (codes) and 16 bytes
+// (parameters) beyond their size, so the rows g and g + 1 of one quarter-warp's 16-byte reads fall in
+// different banks. Shared memory (dynamic, after bfrag and gsum): OFFSET + STAGES·BYTES, sized by
+// matvec.rs `tensor_core_smem` with CALLA_LAB_TC_BULK=1 (the kernel traps on less).
+// Why it is off (docs/performance.md, session 13): the chain lab's links take 1,032 → 899 µs per
+// step with bulk copies at entry (x is not delayed by them, unlike loads and L2 prefetches), and
+// 709 µs with programmatic launch and the copies before the wait; here the in-projections were
+// −0.5 µs per launch in the no-graph profile, the K = 4096 products +0.5, and the graph step
+// +14…+75 µs in every form tried, +160 with programmatic launch (its copies, issued during MoE
+// down, delay down's own loads: MTC_LAB_LATE_TRIGGER there is the next thing to measure).
+#if !defined(MTC_BULK_TILE)
+#define MTC_BULK_TILE 0
+#endif
+#if !defined(MTC_BULK) || !defined(__CUDA_ARCH_FEAT_SM90_ALL) // bulk copies and their mbarriers need sm_90
+#undef MTC_BULK
+#define MTC_BULK 0
+#endif
+template <int CW>
+struct TcStages {
+#if defined(MTC_BULK_STAGES) // lab, with CALLA_LAB_TC_STAGES
+    static constexpr int STAGES = MTC_BULK_STAGES;
+#else
+    static constexpr int STAGES = CW == 1 ? 4 : CW == 2 ? 3 : 2;
+#endif
+    static constexpr int CODES = 512 * CW;     // a row's code bytes, K/2
+    static constexpr int PARAMS = 64 * CW;     // a row's (scale, bias) bytes, K/64 · 4
+#if MTC_BULK_TILE // lab: rows unpadded, a tile whose rows are contiguous in one copy of codes and one of parameters
+    static constexpr int PITCH_C = CODES;
+    static constexpr int PITCH_P = PARAMS;
+#else
+    static constexpr int PITCH_C = CODES + 64; // ≡ 64 (mod 128)
+    static constexpr int PITCH_P = PARAMS + 16; // ≡ 16 (mod 128) for CW ≥ 2; 80 (8-byte reads) for CW = 1
+#endif
+    static constexpr int BYTES = 16 * (PITCH_C + PITCH_P);
+    static constexpr int OFFSET = (4160 * CW + 127) / 128 * 128; // after bfrag (4K bytes) and gsum (K/16)
+};
+
 template <int CW, int NB, typename Map>
 __device__ __forceinline__ void tc_body(const Map& map) {
     extern __shared__ float4 smem4[];
@@ -444,6 +487,53 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     const u64 px = map.x(), pgain = map.norm_gain();
     LAB_ON(map.lab());
     LAB_STAMP(0);
+#ifndef MTC_BULK_MAX_CW
+#define MTC_BULK_MAX_CW 4 // lab: 2 leaves the K = 4096 products on the register path (CALLA_LAB_TC_BULK_MAX_K=2048)
+#endif
+    constexpr bool BULK = Map::STATIC_ROWS && MTC_BULK && CW <= MTC_BULK_MAX_CW;
+    typedef TcStages<CW> St;
+#if MTC_BULK
+    __shared__ __align__(8) u64 stage_bar[St::STAGES];
+    const u8* const stages = (const u8*)smem4 + St::OFFSET;
+    const u32 stages_s = smem_addr(stages), bars_s = smem_addr(stage_bar);
+    auto bulk_issue = [&](int t, int s) { // the last warp, every lane: tile t into stage s
+        const u32 bar = bars_s + 8 * s;
+        if (lane == 0) mbar_arrive_expect_tx(bar, 16 * (St::CODES + St::PARAMS));
+        const int r = lane & 15;
+        const u8 *data, *prm;
+        map.row(t, r, data, prm);
+#if MTC_BULK_TILE
+        const u8* data0 = (const u8*)__shfl_sync(0xffffffffu, (u64)data, 0);
+        const u8* prm0 = (const u8*)__shfl_sync(0xffffffffu, (u64)prm, 0);
+        const bool whole = __all_sync(0xffffffffu, data == data0 + r * St::CODES && prm == prm0 + r * St::PARAMS);
+        if (whole) {
+            if (lane == 0) bulk_copy_g2s(stages_s + s * St::BYTES, data0, 16 * St::CODES, bar);
+            if (lane == 16) bulk_copy_g2s(stages_s + s * St::BYTES + 16 * St::PITCH_C, prm0, 16 * St::PARAMS, bar);
+            return;
+        }
+#endif
+        if (lane < 16) bulk_copy_g2s(stages_s + s * St::BYTES + r * St::PITCH_C, data, St::CODES, bar);
+        else bulk_copy_g2s(stages_s + s * St::BYTES + 16 * St::PITCH_C + r * St::PITCH_P, prm, St::PARAMS, bar);
+    };
+    // The weights do not depend on any kernel: with programmatic dependent launch their copies go
+    // out before the wait, while the kernel before still runs.
+    if constexpr (BULK) {
+        if (warp == MTC_WARPS - 1) {
+            u32 dyn_smem;
+            asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+            if (dyn_smem < St::OFFSET + St::STAGES * St::BYTES) __trap(); // the launcher's size is matvec.rs's
+            if (lane == 0) {
+#pragma unroll
+                for (int s = 0; s < St::STAGES; ++s) mbar_init(bars_s + 8 * s, 1);
+                fence_mbar_init();
+            }
+            __syncwarp();
+#pragma unroll
+            for (int s = 0; s < St::STAGES; ++s)
+                if (block + s * nblocks < tiles) bulk_issue(block + s * nblocks, s);
+        }
+    }
+#endif
     griddep_enter(); // programmatic dependent launch (CALLA_PDL=1); no-ops otherwise
 
     // x and its norm gain first (from L2): the weight loads are issued only once they have arrived.
@@ -467,6 +557,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 
     const float y_old = MTC_EARLY_OLD && block < tiles ? map.old_value(block, tid) : 0.0f;
     const typename Map::Tail tail_first = map.tail_load(min(block, tiles - 1)); // fused routing's loads
+
     LAB_STAMP(7);
 #if defined(MTC_LAB_XSTAMPS) // lab: stamps 3 and 4 when x and its gain have arrived (not the first tile's)
     LAB_AFTER(__float_as_uint(xin[0][0].x));
@@ -565,7 +656,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 #ifndef MTC_WARP_ISSUE
 #define MTC_WARP_ISSUE 2 // lab: 0 never per thread, 1 for every fixed-row product
 #endif
-        constexpr bool warp_issue = MTC_WARP_ISSUE == 1 || (MTC_WARP_ISSUE == 2 && CW == 2);
+        constexpr bool warp_issue = !BULK && (MTC_WARP_ISSUE == 1 || (MTC_WARP_ISSUE == 2 && CW == 2));
         if constexpr (warp_issue) {
             asm volatile("" ::"f"(ss));
             issue_first();
@@ -577,7 +668,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         block_sum_post(ss, scratch, lane, warp);
         __syncthreads();
         const float total = block_sum_collect<MTC_WARPS>(scratch);
-        if constexpr (!warp_issue) issue_first();
+        if constexpr (!warp_issue && !BULK) issue_first();
         LAB_STAMP(1);
         stage(total);
         // With CW = 2 a warp stages exactly the words of its own chunks (word tid: chunk tid/16,
@@ -594,7 +685,8 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     // Lanes g < 4 carry B's columns: g = 0, 1 the hi and lo parts of the chunk's first group (lanes
     // c = 0, 1 hold its columns), g = 2, 3 of the second (c = 2, 3); every other lane gives zeros.
     const bool b_live = g < 4 && (c >> 1) == (g >> 1);
-    auto compute = [&](int t, const uint4 (&cd)[CW][2], const u32 (&pr)[2][2 * CW], int buf) {
+    auto compute = [&](int t, const uint4 (&cd)[CW][2], const u32 (&pr)[2][2 * CW], int j) { // block's tile j
+        const int buf = j & 1;
 #if defined(MTC_LAB_XSTAMPS)
         const bool lab_first = false;
 #else
@@ -622,10 +714,54 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         if (lab_first) LAB_STAMP(4);
         __syncthreads();
         if (lab_first) LAB_STAMP(5);
+#if MTC_BULK
+        if constexpr (BULK) { // every warp has read tile j's stage: refill it with tile j + STAGES
+            const int tn = t + St::STAGES * nblocks;
+            if (warp == MTC_WARPS - 1 && tn < tiles) {
+                fence_proxy_async_smem(); // the generic reads of the stage before the copies' writes
+                bulk_issue(tn, j % St::STAGES);
+            }
+        }
+#endif
         const float y_t = map.finish(t, tid, red[buf], MTC_EARLY_OLD && t == block, y_old);
         map.tail(t, y_t, tail_first, t == block, scratch);
     };
 
+#if MTC_BULK
+    if constexpr (BULK) { // tile j of this block is block + j·nblocks, in stage j % STAGES
+        for (int j = 0; block + j * nblocks < tiles; ++j) {
+            const int s = j % St::STAGES;
+            mbar_wait(bars_s + 8 * s, (j / St::STAGES) & 1);
+            const u8* st = stages + s * St::BYTES;
+            uint4 cd[CW][2];
+            u32 pr[2][2 * CW];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) { // the register path's loads (issue), from the stage
+                const u8* rc = st + (g + 8 * h) * St::PITCH_C + warp * CW * 64 + c * 16;
+                const u8* rp = st + 16 * St::PITCH_C + (g + 8 * h) * St::PITCH_P + 2 * warp * CW * 4;
+#pragma unroll
+                for (int ch = 0; ch < CW; ++ch) cd[ch][h] = *(const uint4*)(rc + ch * 64);
+                if (CW == 1) {
+                    const uint2 v = *(const uint2*)rp;
+                    pr[h][0] = v.x;
+                    pr[h][1] = v.y;
+                } else {
+#pragma unroll
+                    for (int q = 0; q < CW / 2; ++q) {
+                        const uint4 v = *(const uint4*)(rp + 16 * q);
+                        pr[h][4 * q + 0] = v.x;
+                        pr[h][4 * q + 1] = v.y;
+                        pr[h][4 * q + 2] = v.z;
+                        pr[h][4 * q + 3] = v.w;
+                    }
+                }
+            }
+            compute(block + j * nblocks, cd, pr, j);
+        }
+        LAB_STAMP(6);
+        return;
+    }
+#endif
     // Tile j of this block is block + j·nblocks, held in register slot j % NB; its slot is
     // refilled with tile j + NB as soon as it has been used.
     for (int j0 = 0; block + j0 * nblocks < tiles; j0 += NB) {
@@ -633,7 +769,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         for (int s = 0; s < NB; ++s) {
             const int t = block + (j0 + s) * nblocks;
             if (t >= tiles) break;
-            compute(t, codes[s], par[s], (j0 + s) & 1);
+            compute(t, codes[s], par[s], j0 + s);
             const int tn = t + NB * nblocks;
             if (tn < tiles) issue(tn, codes[s], par[s]);
         }
@@ -652,6 +788,9 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 #ifndef MTC_NB_C4
 #define MTC_NB_C4 1 // the K = 4096 products (out-projections) have ≤ 1 tile per block
 #endif
+#ifndef MTC_GATE_UP_MINB
+#define MTC_GATE_UP_MINB 2 // lab: 3 caps gate/up at 85 registers, so three blocks fit per SM
+#endif
 #define MTC_KERNELS(CW, NB) \
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c##CW(const MatvecParams p) { \
         const TcMatvecParams none{}; \
@@ -666,7 +805,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_headnorm_route_q4_c##CW(const TcMatvecParams p) { \
         tc_body<CW, NB>(MatvecMapT<true, true>{p.m, p}); \
     } \
-    extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c##CW(const TcGateUpParams p) { \
+    extern "C" __global__ void __launch_bounds__(MTC_THREADS, MTC_GATE_UP_MINB) matvec_tc_gate_up_q4_c##CW(const TcGateUpParams p) { \
         __shared__ int expert[MOE_MAX_A + 1]; \
         __shared__ GateUpSelect sel; \
         tc_body<CW, NB>(GateUpMap{p.g, expert, p.r, &sel}); \
@@ -691,7 +830,11 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     const int nslots = p.slot_end - p.slot_begin;
     const int n_routed = max(0, min(p.slot_end, p.A) - p.slot_begin);
+#if defined(MTC_LAB_LATE_TRIGGER)
+    griddep_wait(); // lab: the next kernel may launch once this one's weight loads are out (below)
+#else
     griddep_enter();
+#endif
     route_acc_clear(p);
     const int cr = p.I / 128, cs = p.Is / 128; // chunks of a routed and of the shared slot
     const int chunks = n_routed * cr + (p.slot_end > p.A ? cs : 0);
@@ -765,6 +908,12 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
             pr[i][h] = ldg8_in_order((const u8*)m.params + (row * m.groups_per_row + 2 * kc) * 4);
         }
     }
+#if defined(MTC_LAB_LATE_TRIGGER)
+    // The next kernel's early copies (programmatic launch, MTC_BULK) queue behind these loads
+    // instead of ahead of them (session 13: in-projection copies issued during down made the step
+    // slower).
+    griddep_launch_dependents();
+#endif
 #pragma unroll
     for (int m = 0; m < WPT; ++m) {
         const int wi = tid + MTC_THREADS * m;

@@ -231,9 +231,37 @@ pub fn matvec_routed(
     tensor_core_launch(gpu, &name, k, tp.m.total_rows as usize, &tp)
 }
 
+/// The dynamic shared memory of a kernels/matvec_tc.cu matvec (`TcStages`): x̂'s B fragments (hi,
+/// lo) and Σx̂ per group, then the weight stages the bulk copies fill (STAGES tiles of 16 rows, each
+/// row's codes and parameters at a pitch 64 and 16 bytes beyond their size). The kernel checks the
+/// size it was given against its own.
+pub fn tensor_core_smem(k: usize) -> usize {
+    // Lab (kernel define MTC_BULK=1): CALLA_LAB_TC_BULK=1 sizes the stages, CALLA_LAB_TC_STAGES=n
+    // their number (with MTC_BULK_STAGES=n), CALLA_LAB_TC_BULK_MAX_K=2048 leaves K = 4096 without.
+    let max_k = std::env::var("CALLA_LAB_TC_BULK_MAX_K")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    if std::env::var("CALLA_LAB_TC_BULK").as_deref() != Ok("1") || max_k.is_some_and(|m| k > m) {
+        return 4 * k + k / 16;
+    }
+    let cw = k / 1024;
+    let stages = match (
+        std::env::var("CALLA_LAB_TC_STAGES")
+            .ok()
+            .and_then(|v| v.parse().ok()),
+        cw,
+    ) {
+        (Some(n), _) => n, // lab, with MTC_BULK_STAGES
+        (None, 1) => 4,
+        (None, 2) => 3,
+        (None, _) => 2,
+    };
+    let offset = (4160 * cw).div_ceil(128) * 128;
+    offset + stages * 16 * ((512 * cw + 64) + (64 * cw + 16))
+}
+
 /// A kernels/matvec_tc.cu matvec launch: 16-row tiles over a grid of at most the blocks that fit at
-/// once (each block pays the x̂ prologue once), shared memory for x̂'s B fragments (hi, lo) and Σx̂
-/// per group.
+/// once (each block pays the x̂ prologue once).
 fn tensor_core_launch<P: Copy>(
     gpu: &Gpu,
     name: &str,
@@ -241,8 +269,15 @@ fn tensor_core_launch<P: Copy>(
     rows: usize,
     params: &P,
 ) -> Result<Launch> {
-    let smem = (4 * k + k / 16) as u32;
-    let resident = gpu.resident_blocks(name, THREADS, smem)?;
+    let smem = tensor_core_smem(k) as u32;
+    let mut resident = gpu.resident_blocks(name, THREADS, smem)?;
+    // Lab: CALLA_LAB_TC_RESIDENT=N caps the blocks per SM.
+    if let Some(cap) = std::env::var("CALLA_LAB_TC_RESIDENT")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        resident = resident.min(cap.max(1));
+    }
     let grid = rows
         .div_ceil(16)
         .min(gpu.sm_count as usize * resident)
