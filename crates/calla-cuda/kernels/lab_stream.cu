@@ -136,8 +136,10 @@ extern "C" __global__ void __launch_bounds__(256) stream_chain_bulk(const ChainP
     if (p.mode == 1) ss = block_sum(chain_input_sumsq((const float*)p.x_in, p.xn), red);
     if (threadIdx.x == 0)
         for (int k = 0; k < min(nchunks, BULK_STAGES); ++k) issue(k);
-    if (p.mode == 2) griddep_enter();
-    if (p.mode == 2) ss = block_sum(chain_input_sumsq((const float*)p.x_in, p.xn), red);
+    if (p.mode == 2) {
+        griddep_enter();
+        ss = block_sum(chain_input_sumsq((const float*)p.x_in, p.xn), red);
+    }
     u32 acc = 0;
     for (int k = 0; k < nchunks; ++k) {
         const int s = k % BULK_STAGES;

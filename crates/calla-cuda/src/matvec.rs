@@ -231,11 +231,11 @@ pub fn matvec_routed(
     tensor_core_launch(gpu, &name, k, tp.m.total_rows as usize, &tp)
 }
 
-/// The dynamic shared memory of a kernels/matvec_tc.cu matvec (`TcStages`): x̂'s B fragments (hi,
-/// lo) and Σx̂ per group, then the weight stages the bulk copies fill (STAGES tiles of 16 rows, each
-/// row's codes and parameters at a pitch 64 and 16 bytes beyond their size). The kernel checks the
-/// size it was given against its own.
-pub fn tensor_core_smem(k: usize) -> usize {
+/// The dynamic shared memory of a kernels/matvec_tc.cu matvec: x̂'s B fragments (hi, lo) and Σx̂ per
+/// group; with the bulk-copy lab (`TcStages`) also the weight stages after them (STAGES tiles of 16
+/// rows, each row's codes and parameters at a pitch 64 and 16 bytes beyond their size), whose size
+/// the kernel checks against its own.
+fn tensor_core_smem(k: usize) -> usize {
     // Lab (kernel define MTC_BULK=1): CALLA_LAB_TC_BULK=1 sizes the stages, CALLA_LAB_TC_STAGES=n
     // their number (with MTC_BULK_STAGES=n), CALLA_LAB_TC_BULK_MAX_K=2048 leaves K = 4096 without.
     let max_k = std::env::var("CALLA_LAB_TC_BULK_MAX_K")
