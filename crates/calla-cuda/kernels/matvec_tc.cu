@@ -81,6 +81,32 @@ __device__ __forceinline__ uint2 ldg8_in_order(const void* p) {
 }
 #endif
 
+// One lane's share of row g + 8h of a tile: the codes of its warp's CW chunks of 128 columns from
+// `data` (the row's first code byte) and the (scale, bias) words of their 2·CW groups from `prm` (the
+// row's first pair), read by ld16 (16 bytes) and ld8 (8 bytes): from global memory or from a stage.
+template <int CW, typename Ld16, typename Ld8>
+__device__ __forceinline__ void tc_row_fragments(const u8* data, const u8* prm, int warp, int c, int h,
+                                                 uint4 (&cd)[CW][2], u32 (&pr)[2 * CW], const Ld16& ld16,
+                                                 const Ld8& ld8) {
+    prm += 2 * warp * CW * 4;
+#pragma unroll
+    for (int ch = 0; ch < CW; ++ch) cd[ch][h] = ld16(data + (warp * CW + ch) * 64 + c * 16);
+    if (CW == 1) {
+        const uint2 v = ld8(prm);
+        pr[0] = v.x;
+        pr[1] = v.y;
+    } else {
+#pragma unroll
+        for (int q = 0; q < CW / 2; ++q) {
+            const uint4 v = ld16(prm + 16 * q);
+            pr[4 * q + 0] = v.x;
+            pr[4 * q + 1] = v.y;
+            pr[4 * q + 2] = v.z;
+            pr[4 * q + 3] = v.w;
+        }
+    }
+}
+
 // Word wi of the input (columns 8wi..8wi+7, values x) into the B registers and group sums: chunk wi/16,
 // lane c = (wi/4)%4, word w = wi%4 of that lane's 16 bytes; hi = bf16(x), lo = bf16(x − hi). A group
 // is 8 consecutive words held by 8 consecutive lanes, so every lane of the warp must call this
@@ -557,7 +583,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 
     const float y_old = MTC_EARLY_OLD && block < tiles ? map.old_value(block, tid) : 0.0f;
     const typename Map::Tail tail_first = map.tail_load(min(block, tiles - 1)); // fused routing's loads
-
     LAB_STAMP(7);
 #if defined(MTC_LAB_XSTAMPS) // lab: stamps 3 and 4 when x and its gain have arrived (not the first tile's)
     LAB_AFTER(__float_as_uint(xin[0][0].x));
@@ -572,25 +597,10 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     auto issue = [&](int t, uint4 (&cd)[CW][2], u32 (&pr)[2][2 * CW]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const u8 *data, *row_prm;
-            map.row(t, g + 8 * h, data, row_prm);
-            const u8* prm = row_prm + 2 * warp * CW * 4;
-#pragma unroll
-            for (int ch = 0; ch < CW; ++ch) cd[ch][h] = ldg16_in_order(data + (warp * CW + ch) * 64 + c * 16);
-            if (CW == 1) {
-                const uint2 v = ldg8_in_order(prm);
-                pr[h][0] = v.x;
-                pr[h][1] = v.y;
-            } else {
-#pragma unroll
-                for (int q = 0; q < CW / 2; ++q) {
-                    const uint4 v = ldg16_in_order(prm + 16 * q);
-                    pr[h][4 * q + 0] = v.x;
-                    pr[h][4 * q + 1] = v.y;
-                    pr[h][4 * q + 2] = v.z;
-                    pr[h][4 * q + 3] = v.w;
-                }
-            }
+            const u8 *data, *prm;
+            map.row(t, g + 8 * h, data, prm);
+            tc_row_fragments<CW>(data, prm, warp, c, h, cd, pr[h], [](const void* a) { return ldg16_in_order(a); },
+                                 [](const void* a) { return ldg8_in_order(a); });
         }
     };
 
@@ -736,26 +746,10 @@ __device__ __forceinline__ void tc_body(const Map& map) {
             uint4 cd[CW][2];
             u32 pr[2][2 * CW];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) { // the register path's loads (issue), from the stage
-                const u8* rc = st + (g + 8 * h) * St::PITCH_C + warp * CW * 64 + c * 16;
-                const u8* rp = st + 16 * St::PITCH_C + (g + 8 * h) * St::PITCH_P + 2 * warp * CW * 4;
-#pragma unroll
-                for (int ch = 0; ch < CW; ++ch) cd[ch][h] = *(const uint4*)(rc + ch * 64);
-                if (CW == 1) {
-                    const uint2 v = *(const uint2*)rp;
-                    pr[h][0] = v.x;
-                    pr[h][1] = v.y;
-                } else {
-#pragma unroll
-                    for (int q = 0; q < CW / 2; ++q) {
-                        const uint4 v = *(const uint4*)(rp + 16 * q);
-                        pr[h][4 * q + 0] = v.x;
-                        pr[h][4 * q + 1] = v.y;
-                        pr[h][4 * q + 2] = v.z;
-                        pr[h][4 * q + 3] = v.w;
-                    }
-                }
-            }
+            for (int h = 0; h < 2; ++h) // the register path's loads (issue), from the stage
+                tc_row_fragments<CW>(st + (g + 8 * h) * St::PITCH_C, st + 16 * St::PITCH_C + (g + 8 * h) * St::PITCH_P,
+                                     warp, c, h, cd, pr[h], [](const void* a) { return *(const uint4*)a; },
+                                     [](const void* a) { return *(const uint2*)a; });
             compute(block + j * nblocks, cd, pr, j);
         }
         LAB_STAMP(6);
@@ -788,9 +782,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 #ifndef MTC_NB_C4
 #define MTC_NB_C4 1 // the K = 4096 products (out-projections) have ≤ 1 tile per block
 #endif
-#ifndef MTC_GATE_UP_MINB
-#define MTC_GATE_UP_MINB 2 // lab: 3 caps gate/up at 85 registers, so three blocks fit per SM
-#endif
 #define MTC_KERNELS(CW, NB) \
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c##CW(const MatvecParams p) { \
         const TcMatvecParams none{}; \
@@ -805,7 +796,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_headnorm_route_q4_c##CW(const TcMatvecParams p) { \
         tc_body<CW, NB>(MatvecMapT<true, true>{p.m, p}); \
     } \
-    extern "C" __global__ void __launch_bounds__(MTC_THREADS, MTC_GATE_UP_MINB) matvec_tc_gate_up_q4_c##CW(const TcGateUpParams p) { \
+    extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c##CW(const TcGateUpParams p) { \
         __shared__ int expert[MOE_MAX_A + 1]; \
         __shared__ GateUpSelect sel; \
         tc_body<CW, NB>(GateUpMap{p.g, expert, p.r, &sel}); \
