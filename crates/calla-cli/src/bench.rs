@@ -79,6 +79,10 @@ pub struct Args {
     /// Also time each kernel of the decode step on its own (launched one by one, CUDA events).
     #[arg(long)]
     profile: bool,
+    /// Decode one step at a time (the host reads each token before the next step is queued)
+    /// instead of with the next step in flight, as `calla generate` and `calla serve` decode.
+    #[arg(long)]
+    no_pipeline: bool,
     /// Print one JSON object instead of the table (no progress bars).
     #[arg(long)]
     json: bool,
@@ -99,6 +103,7 @@ pub fn run(args: Args) -> Result<()> {
         kv_cache,
         seed: 0x00CA_11A0,
         profile: args.profile,
+        pipelined: !args.no_pipeline,
         prompt_precision: args.prompt_precision,
         prompt_chunk: args.prompt_chunk,
     };
@@ -263,8 +268,13 @@ fn print_table(r: &BenchReport) {
         r.copy_gb_s
     );
     println!(
-        "decode step {} launches, one CUDA graph",
-        r.launches_per_token
+        "decode step {} launches, one CUDA graph; {}",
+        r.launches_per_token,
+        if r.decode.iter().all(|d| d.pipelined) {
+            "two steps in flight (the next queued before a token is read)"
+        } else {
+            "one step at a time (--no-pipeline)"
+        }
     );
     println!(
         "prefill     {} tokens ({} precision, chunks of {}): TTFT {:.1} ms, {:.0} tok/s",

@@ -7,23 +7,26 @@
 //!   `logits` = final norm + lm_head (forward_logits).
 //! A step uploads the 16-byte cursor only when the device's copy is not already right (during
 //! decode it never is needed: the select kernel moved it), replays, and reads back the chosen token.
+//! `step_pipelined` replays the next step's graph before it waits for this one's token (two steps
+//! in flight): each step's selection is copied into its own page-locked slot, so the device goes
+//! from one token to the next without waiting for the host.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{anyhow, ensure, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use calla_engine::{Backend, Selection, Sequence, TokenChoice};
 use calla_model::{ModelSpec, Weights};
 
 use crate::attention::{self, KvDtype};
 use crate::deltanet;
 use crate::forward::{self, Scratch, StateLayout};
-use crate::gpu::{Gpu, Launch};
+use crate::gpu::{Gpu, Launch, ReadbackSlots};
 use crate::graph::StepGraph;
 use crate::pool::{Arena, DEFAULT_BLOCK};
 use crate::prefill;
 use crate::prompt_precision::PromptPrecision;
-use crate::select::Selector;
+use crate::select::{SelectResult, Selector};
 use crate::sequence::{CudaSequence, FailedSnapshot};
 use crate::weights::{self, DevModel};
 
@@ -100,6 +103,20 @@ pub struct Cursor {
     pub token: i32,
 }
 
+const RAN_AHEAD: &str =
+    "this sequence ran a step ahead (step_pipelined) whose token was never taken: \
+                         it can only be dropped";
+
+/// A decode step started before its caller asked for it (`step_pipelined`).
+struct InFlight {
+    /// the sequence it runs on (CudaSequence::id)
+    seq_id: u64,
+    /// the readback slot its selection is copied into
+    slot: usize,
+    /// its input: the token the step before chose
+    token: u32,
+}
+
 struct Graphs {
     token: StepGraph,
     decode: StepGraph,
@@ -144,6 +161,11 @@ pub struct CudaBackend {
     select_advance: Launch,
     graphs: Option<Graphs>,
     cursor_mirror: Option<Cursor>,
+    /// each step's selection result, copied out per step into one of two slots
+    readback: ReadbackSlots<SelectResult>,
+    next_slot: usize,
+    /// the step `step_pipelined` started ahead and has not returned yet
+    in_flight: Option<InFlight>,
     pub report: CudaLoadReport,
     pub(crate) prompt_chunk: usize,
     pub(crate) prompt_precision: PromptPrecision,
@@ -227,6 +249,7 @@ impl CudaBackend {
             launches_per_token: body.len() + head.len() + 1,
             state_bytes_per_sequence: layout.bytes,
         };
+        let readback = ReadbackSlots::new(&gpu, 2)?;
         let mut backend = CudaBackend {
             gpu,
             spec: spec.clone(),
@@ -239,6 +262,9 @@ impl CudaBackend {
             select_advance,
             graphs: None,
             cursor_mirror: None,
+            readback,
+            next_slot: 0,
+            in_flight: None,
             report,
             prompt: None,
             prompt_chunk: opts.prompt_chunk,
@@ -340,6 +366,51 @@ impl CudaBackend {
         }
     }
 
+    /// Queue `tokens` on `seq`: the prompt part through the layers, the last token through the
+    /// decode graph, its selection copied into a readback slot (returned). Nothing is waited for.
+    fn start_step(
+        &mut self,
+        seq: &mut CudaSequence,
+        tokens: &[u32],
+        sel: &Selection,
+    ) -> Result<usize> {
+        self.check_tokens(seq, tokens)?;
+        self.selector.prepare(&self.gpu, sel)?;
+        let (prompt, last) = tokens.split_at(tokens.len() - 1);
+        prefill::run_prompt_tokens(self, seq, prompt)?;
+        let pos = seq.len + prompt.len();
+        self.set_cursor(seq, pos, last[0])?;
+        let slot = self.queue_decode()?;
+        seq.len += tokens.len();
+        Ok(slot)
+    }
+
+    /// Replay the decode graph for the token the device cursor holds and queue its selection's
+    /// copy into the next readback slot (two slots: at most two steps are ever outstanding).
+    fn queue_decode(&mut self) -> Result<usize> {
+        let slot = self.next_slot;
+        self.next_slot ^= 1;
+        self.run_decode()?;
+        self.readback.queue(slot, self.selector.result)?;
+        Ok(slot)
+    }
+
+    /// Wait for the step whose selection goes into `slot`, and account for it (in launch order).
+    fn collect(&mut self, slot: usize) -> Result<TokenChoice> {
+        let r = self.readback.wait(slot)?;
+        self.selector.account(r)
+    }
+
+    /// Finish a step started ahead whose caller went elsewhere (its sequence has consumed its token;
+    /// the selector's mirrors advance as the device's did). Anything but the step it anticipated
+    /// settles first.
+    fn settle(&mut self) -> Result<()> {
+        if let Some(f) = self.in_flight.take() {
+            self.collect(f.slot)?;
+        }
+        Ok(())
+    }
+
     fn check_tokens(&self, seq: &CudaSequence, tokens: &[u32]) -> Result<()> {
         ensure!(!tokens.is_empty(), "no tokens to run");
         let v = self.spec.vocab_size;
@@ -372,7 +443,9 @@ impl CudaBackend {
     ) -> Result<Vec<(String, usize, f64)>> {
         use cudarc::driver::sys::CUevent_flags;
         const REPS: usize = 20;
+        self.settle()?;
         let seq = cuda_sequence(seq)?;
+        ensure!(!seq.ran_ahead, RAN_AHEAD);
         let chain: Vec<Launch> = self
             .body
             .iter()
@@ -458,24 +531,72 @@ impl Backend for CudaBackend {
         tokens: &[u32],
         sel: &Selection,
     ) -> Result<TokenChoice> {
+        self.step_pipelined(seq, tokens, sel, false)
+    }
+
+    fn step_pipelined(
+        &mut self,
+        seq: &mut dyn Sequence,
+        tokens: &[u32],
+        sel: &Selection,
+        continue_after: bool,
+    ) -> Result<TokenChoice> {
         let seq = cuda_sequence(seq)?;
-        self.check_tokens(seq, tokens)?;
-        self.selector.prepare(&self.gpu, sel)?;
-        let (prompt, last) = tokens.split_at(tokens.len() - 1);
-        prefill::run_prompt_tokens(self, seq, prompt)?;
-        let pos = seq.len + prompt.len();
-        self.set_cursor(seq, pos, last[0])?;
-        self.run_decode()?;
-        let choice = self.selector.finish(&self.gpu)?;
-        if let Some(c) = self.cursor_mirror.as_mut() {
-            c.token = choice.token as i32;
+        let slot = if seq.ran_ahead {
+            // this call's step is already running: it must be the one started
+            let f = match self.in_flight.take() {
+                Some(f) if f.seq_id == seq.id => f,
+                other => {
+                    self.in_flight = other;
+                    bail!(RAN_AHEAD);
+                }
+            };
+            let expected = f.token;
+            if tokens != [expected] || !self.selector.is_current(sel)? {
+                self.in_flight = Some(f);
+                bail!(
+                    "this sequence's next step (token {expected}, the same selection one draw on) is \
+                     already running; asked for another"
+                );
+            }
+            seq.ran_ahead = false;
+            f.slot
+        } else {
+            self.settle()?;
+            self.start_step(seq, tokens, sel)?
+        };
+        // The next step reads its token, position and selection state from the device, where this
+        // step's selection leaves them: it can be queued before this step's token is known.
+        let ahead = if continue_after && seq.len < self.layout.max_ctx {
+            let s = self.queue_decode()?;
+            seq.len += 1;
+            seq.ran_ahead = true;
+            Some(s)
+        } else {
+            None
+        };
+        let choice = self.collect(slot)?;
+        match ahead {
+            Some(s) => {
+                self.in_flight = Some(InFlight {
+                    seq_id: seq.id,
+                    slot: s,
+                    token: choice.token,
+                })
+            }
+            None => {
+                if let Some(c) = self.cursor_mirror.as_mut() {
+                    c.token = choice.token as i32;
+                }
+            }
         }
-        seq.len += tokens.len();
         Ok(choice)
     }
 
     fn forward_logits(&mut self, seq: &mut dyn Sequence, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.settle()?;
         let seq = cuda_sequence(seq)?;
+        ensure!(!seq.ran_ahead, RAN_AHEAD);
         self.check_tokens(seq, tokens)?;
         prefill::run_prompt_tokens(self, seq, tokens)?;
         self.run_logits()?;

@@ -80,6 +80,9 @@ pub struct BenchOptions {
     pub seed: u64,
     /// Also time each kernel of the decode step on its own (at the last context).
     pub profile: bool,
+    /// Decode with two steps in flight, as generation does (`Backend::step_pipelined`): the next
+    /// step is queued before this one's token is read back. false: one step at a time.
+    pub pipelined: bool,
     /// CudaOptions::prompt_precision (per product group: prompt_precision.rs) and prompt_chunk.
     pub prompt_precision: crate::PromptPrecision,
     pub prompt_chunk: usize,
@@ -104,9 +107,10 @@ pub struct PrefillResult {
 pub struct DecodeResult {
     pub context: usize,
     pub tokens: usize,
-    /// median over rounds of (time for `tokens` steps) / tokens, each step synchronous (the token
-    /// is read back, as a streaming server does)
+    /// median over rounds of (time for `tokens` steps) / tokens; every token is read back as it is
+    /// chosen (as a streaming server does), with the next step already queued (`pipelined`) or not
     pub ms_per_token: f64,
+    pub pipelined: bool,
     pub tokens_per_s: f64,
     pub bytes_per_token: f64,
     pub achieved_gb_s: f64,
@@ -467,14 +471,25 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
             fake_context(&be, cs, context, opts.seed)?;
             let mut generated = Vec::with_capacity(opts.warmup + opts.gen_len);
             let mut token = prompt[0];
+            // Neither loop runs ahead past its end: the timed steps start and end with nothing in
+            // flight (the first timed step waits for the host, as every step did before pipelining).
             for i in 0..opts.warmup {
-                token = be.step(seq.as_mut(), &[token], &sel(i as u64))?.token;
+                let ahead = opts.pipelined && i + 1 < opts.warmup;
+                token = be
+                    .step_pipelined(seq.as_mut(), &[token], &sel(i as u64), ahead)?
+                    .token;
                 generated.push(token);
             }
             let t = Instant::now();
             for i in 0..opts.gen_len {
+                let ahead = opts.pipelined && i + 1 < opts.gen_len;
                 token = be
-                    .step(seq.as_mut(), &[token], &sel((opts.warmup + i) as u64))?
+                    .step_pipelined(
+                        seq.as_mut(),
+                        &[token],
+                        &sel((opts.warmup + i) as u64),
+                        ahead,
+                    )?
                     .token;
                 generated.push(token);
             }
@@ -491,6 +506,7 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
             context,
             tokens: opts.gen_len,
             ms_per_token: s * 1e3,
+            pipelined: opts.pipelined,
             tokens_per_s: 1.0 / s,
             bytes_per_token: bytes,
             achieved_gb_s: gb_s,
@@ -807,6 +823,7 @@ mod tests {
             kv_cache: KvDtype::F32,
             seed: 1,
             profile: false,
+            pipelined: true,
             prompt_precision: crate::PromptPrecision::AUTO,
             prompt_chunk: 8192,
         };

@@ -500,3 +500,85 @@ impl Launch {
         })
     }
 }
+
+/// Page-locked host slots that the stream copies a small device value into, each with an event:
+/// the host waits for one slot's copy while later work stays queued behind it (two decode steps in
+/// flight: step n's selection is copied out before step n + 1 overwrites it on the device).
+pub struct ReadbackSlots<T: Copy> {
+    host: *mut T,
+    events: Vec<cudarc::driver::CudaEvent>,
+    gpu: Arc<Gpu>,
+}
+
+// SAFETY: the host slots are only touched through &self/&mut self of the one owner (the backend,
+// driven from one thread at a time), after their copy's event has completed.
+unsafe impl<T: Copy> Send for ReadbackSlots<T> {}
+
+impl<T: Copy> ReadbackSlots<T> {
+    pub fn new(gpu: &Arc<Gpu>, slots: usize) -> Result<ReadbackSlots<T>> {
+        gpu.bind()?;
+        let bytes = slots * std::mem::size_of::<T>();
+        // SAFETY: plain page-locked allocation (not write-combined: the host reads it), freed in drop.
+        let host = unsafe { cu::malloc_host(bytes.max(1), 0) }
+            .map_err(|e| anyhow!("allocating {bytes} bytes of page-locked host memory: {e}"))?
+            as *mut T;
+        let events = (0..slots)
+            .map(|_| gpu.ctx.new_event(None))
+            .collect::<Result<Vec<_>, _>>()
+            .context("creating readback events")?;
+        Ok(ReadbackSlots {
+            host,
+            events,
+            gpu: gpu.clone(),
+        })
+    }
+
+    /// Queue the copy of one `T` at `src` into `slot`, after everything queued so far.
+    pub fn queue(&self, slot: usize, src: DPtr) -> Result<()> {
+        self.gpu.bind()?;
+        let bytes = std::mem::size_of::<T>();
+        anyhow::ensure!(
+            slot < self.events.len(),
+            "readback slot {slot} out of range"
+        );
+        // SAFETY: slot is in range of the host allocation; src holds a T on the device (caller).
+        let dst = unsafe { self.host.add(slot) };
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                dst as *mut c_void,
+                src.0,
+                bytes,
+                self.gpu.stream.cu_stream(),
+            )
+        }
+        .result()
+        .with_context(|| format!("copying {bytes} bytes from the GPU"))?;
+        self.events[slot]
+            .record(&self.gpu.stream)
+            .context("recording a readback event")
+    }
+
+    /// Wait for `slot`'s last queued copy (and so for everything queued before it) and read it.
+    pub fn wait(&self, slot: usize) -> Result<T> {
+        anyhow::ensure!(
+            slot < self.events.len(),
+            "readback slot {slot} out of range"
+        );
+        self.events[slot]
+            .synchronize()
+            .map_err(|e| anyhow!("CUDA error while running kernels: {e}"))?;
+        // SAFETY: the copy into this slot has completed; nothing writes it until the next queue().
+        Ok(unsafe { std::ptr::read_volatile(self.host.add(slot)) })
+    }
+}
+
+impl<T: Copy> Drop for ReadbackSlots<T> {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // copies into the slots may still be queued: wait for them before the memory goes
+            let _ = self.gpu.sync();
+            // SAFETY: allocated by malloc_host in new(), freed once.
+            let _ = unsafe { cu::free_host(self.host as *mut c_void) };
+        }
+    }
+}

@@ -176,6 +176,49 @@ impl Selector {
 
     /// Make the device configuration and tables match `sel` (uploads only what changed).
     pub fn prepare(&mut self, gpu: &Gpu, sel: &Selection) -> Result<()> {
+        let config = self.config_for(sel)?;
+        let p = sel.params;
+        if self.config_mirror != Some(config) {
+            gpu.htod(self.config, std::slice::from_ref(&config))?;
+            self.config_mirror = Some(config);
+        }
+        if p.logit_bias != self.bias_mirror {
+            let mut dense = vec![0f32; self.vocab];
+            for (id, b) in &p.logit_bias {
+                dense[*id as usize] += b;
+            }
+            gpu.htod(self.bias, &dense)?;
+            self.bias_mirror = p.logit_bias.clone();
+        }
+        if config.use_seen != 0 || config.use_counts != 0 {
+            if !self.penalties_current(sel) {
+                self.rebuild_penalties(gpu, sel.prompt, sel.generated)?;
+            }
+        } else {
+            self.penalty_mirror = None;
+        }
+        Ok(())
+    }
+
+    /// Whether the device already holds what `sel` asks for (`prepare` would upload nothing): true
+    /// for the step after a selection when `sel` is the same request advanced by that token, since
+    /// the selection kernel advances the draw step and the penalty tables itself.
+    pub fn is_current(&self, sel: &Selection) -> Result<bool> {
+        let config = self.config_for(sel)?;
+        let penalties = config.use_seen != 0 || config.use_counts != 0;
+        Ok(self.config_mirror == Some(config)
+            && sel.params.logit_bias == self.bias_mirror
+            && (!penalties || self.penalties_current(sel)))
+    }
+
+    fn penalties_current(&self, sel: &Selection) -> bool {
+        self.penalty_mirror
+            .as_ref()
+            .is_some_and(|(pr, gen)| pr.as_slice() == sel.prompt && gen.as_slice() == sel.generated)
+    }
+
+    /// The device configuration for `sel`, after checking what the sampler supports.
+    fn config_for(&self, sel: &Selection) -> Result<SelectConfig> {
         let p = sel.params;
         ensure!(
             sel.top_logprobs <= MAX_LOGPROBS,
@@ -195,7 +238,7 @@ impl Selector {
         }
         let use_seen = p.repetition_penalty != 1.0;
         let use_counts = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
-        let config = SelectConfig {
+        Ok(SelectConfig {
             temperature: p.temperature.max(0.0),
             top_p: p.top_p,
             min_p: p.min_p,
@@ -212,32 +255,7 @@ impl Selector {
             use_seen: use_seen as i32,
             use_counts: use_counts as i32,
             pad: 0,
-        };
-        if self.config_mirror != Some(config) {
-            gpu.htod(self.config, std::slice::from_ref(&config))?;
-            self.config_mirror = Some(config);
-        }
-        if p.logit_bias != self.bias_mirror {
-            let mut dense = vec![0f32; self.vocab];
-            for (id, b) in &p.logit_bias {
-                dense[*id as usize] += b;
-            }
-            gpu.htod(self.bias, &dense)?;
-            self.bias_mirror = p.logit_bias.clone();
-        }
-        if use_seen || use_counts {
-            let current = self
-                .penalty_mirror
-                .as_ref()
-                .map(|(pr, gen)| pr.as_slice() == sel.prompt && gen.as_slice() == sel.generated)
-                .unwrap_or(false);
-            if !current {
-                self.rebuild_penalties(gpu, sel.prompt, sel.generated)?;
-            }
-        } else {
-            self.penalty_mirror = None;
-        }
-        Ok(())
+        })
     }
 
     fn rebuild_penalties(&mut self, gpu: &Gpu, prompt: &[u32], generated: &[u32]) -> Result<()> {
@@ -271,7 +289,12 @@ impl Selector {
     pub fn finish(&mut self, gpu: &Gpu) -> Result<TokenChoice> {
         let mut r = [SelectResult::default()];
         gpu.dtoh(self.result, &mut r)?;
-        let r = r[0];
+        self.account(r[0])
+    }
+
+    /// A selection's result, read back: the choice, and the host mirrors advanced as the kernel
+    /// advanced the device's (draw step, penalty tables). Results are accounted in launch order.
+    pub fn account(&mut self, r: SelectResult) -> Result<TokenChoice> {
         ensure!(
             r.token >= 0 && (r.token as usize) < self.vocab,
             "token selection returned {}",

@@ -3,6 +3,7 @@
 //! a device-to-device copy.
 
 use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::Result;
 use calla_engine::Sequence;
@@ -12,6 +13,17 @@ use crate::gpu::{DPtr, DeviceBuffer};
 pub struct CudaSequence {
     pub(crate) state: DeviceBuffer,
     pub(crate) len: usize,
+    /// unique per sequence made (a dropped sequence's memory may come back for a new one): what a
+    /// step started ahead is matched on
+    pub(crate) id: u64,
+    /// a step on this sequence was started ahead (`step_pipelined`) and its token has not been
+    /// taken by a call on this sequence: only that call may come next
+    pub(crate) ran_ahead: bool,
+}
+
+fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 impl CudaSequence {
@@ -21,7 +33,12 @@ impl CudaSequence {
 
     pub(crate) fn new(state: DeviceBuffer) -> Result<CudaSequence> {
         state.gpu().memset_zero(state.ptr, state.bytes)?;
-        Ok(CudaSequence { state, len: 0 })
+        Ok(CudaSequence {
+            state,
+            len: 0,
+            id: next_id(),
+            ran_ahead: false,
+        })
     }
 
     fn try_snapshot(&self) -> Result<CudaSequence> {
@@ -32,7 +49,17 @@ impl CudaSequence {
         Ok(CudaSequence {
             state: copy,
             len: self.len,
+            id: next_id(),
+            ran_ahead: self.ran_ahead,
         })
+    }
+}
+
+impl Drop for CudaSequence {
+    fn drop(&mut self) {
+        // A step started ahead may still write this state (a request that stopped at its stop
+        // token): let the stream pass it before the memory is freed.
+        let _ = self.state.gpu().sync();
     }
 }
 

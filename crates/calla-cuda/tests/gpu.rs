@@ -18,6 +18,9 @@ mod select;
 #[path = "gpu/engine.rs"]
 mod engine;
 
+#[path = "gpu/pipeline.rs"]
+mod pipeline;
+
 #[path = "gpu/grid_sync.rs"]
 mod grid_sync;
 

@@ -65,6 +65,24 @@ pub trait Backend: Send {
         tokens: &[u32],
         sel: &Selection,
     ) -> anyhow::Result<TokenChoice>;
+    /// `step`, with leave to start the next step before this one's token is returned (two steps in
+    /// flight: the device does not wait for the host between tokens) when `continue_after` is set.
+    /// The next step is the one the caller would ask for to go on with the same request:
+    /// `step(seq, &[chosen], sel')`, where `sel'` is `sel` with `step + 1` and the chosen token
+    /// appended to `generated`. After such a call the sequence has consumed the chosen token too
+    /// (`len()` counts it) and the next call on it must be exactly that step (through either
+    /// method), before any other sequence steps; otherwise the sequence can only be dropped
+    /// (a request that ends at a stop token does just that). Backends without a queue just `step`.
+    fn step_pipelined(
+        &mut self,
+        seq: &mut dyn Sequence,
+        tokens: &[u32],
+        sel: &Selection,
+        continue_after: bool,
+    ) -> anyhow::Result<TokenChoice> {
+        let _ = continue_after;
+        self.step(seq, tokens, sel)
+    }
     /// Run `tokens` and return the raw f32 logits of the last position. For parity tests and tools.
     fn forward_logits(
         &mut self,

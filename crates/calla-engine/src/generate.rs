@@ -126,7 +126,9 @@ pub fn generate_on(
             step: step as u64,
             top_logprobs: req.top_logprobs,
         };
-        let choice = backend.step(seq, &input, &sel)?;
+        // Two steps in flight where the backend can: the next step may start before this token
+        // is seen here (a stop ends the request with that step's state thrown away with it).
+        let choice = backend.step_pipelined(seq, &input, &sel, step + 1 < req.max_tokens)?;
         if step == 0 {
             out.timings.prefill_s = started.elapsed().as_secs_f64();
         }
@@ -305,6 +307,115 @@ mod tests {
         .unwrap();
         assert_eq!(out.tokens, [1, 2]);
         assert_eq!(out.finish_reason, FinishReason::Stop);
+    }
+
+    /// A backend with two steps in flight, as the CUDA one: with `continue_after` it runs the next
+    /// step (on the chosen token, the selection advanced) before returning, and the next call must
+    /// be exactly that step.
+    struct Ahead {
+        inner: Counter,
+        /// (input tokens, continue_after) per call
+        calls: Vec<(Vec<u32>, bool)>,
+        /// the step run ahead: its input and its choice
+        pending: Option<(u32, TokenChoice)>,
+    }
+    impl Backend for Ahead {
+        fn spec(&self) -> &ModelSpec {
+            self.inner.spec()
+        }
+        fn describe(&self) -> String {
+            "ahead".into()
+        }
+        fn new_sequence(&mut self) -> Result<Box<dyn Sequence>> {
+            self.inner.new_sequence()
+        }
+        fn step(
+            &mut self,
+            seq: &mut dyn Sequence,
+            tokens: &[u32],
+            sel: &Selection,
+        ) -> Result<TokenChoice> {
+            self.step_pipelined(seq, tokens, sel, false)
+        }
+        fn step_pipelined(
+            &mut self,
+            seq: &mut dyn Sequence,
+            tokens: &[u32],
+            sel: &Selection,
+            continue_after: bool,
+        ) -> Result<TokenChoice> {
+            self.calls.push((tokens.to_vec(), continue_after));
+            let choice = match self.pending.take() {
+                Some((input, choice)) => {
+                    anyhow::ensure!(tokens == [input], "not the step run ahead");
+                    choice
+                }
+                None => self.inner.step(seq, tokens, sel)?,
+            };
+            if continue_after {
+                let mut generated = sel.generated.to_vec();
+                generated.push(choice.token);
+                let next = Selection {
+                    step: sel.step + 1,
+                    generated: &generated,
+                    ..*sel
+                };
+                let ahead = self.inner.step(seq, &[choice.token], &next)?;
+                self.pending = Some((choice.token, ahead));
+            }
+            Ok(choice)
+        }
+        fn forward_logits(&mut self, seq: &mut dyn Sequence, tokens: &[u32]) -> Result<Vec<f32>> {
+            self.inner.forward_logits(seq, tokens)
+        }
+    }
+
+    #[test]
+    fn pipelined_generation_asks_ahead_only_for_steps_it_will_take() {
+        let mut b = Ahead {
+            inner: counter(),
+            calls: vec![],
+            pending: None,
+        };
+        let mut req = request(vec![3, 4], 4);
+        req.ignore_eos = true;
+        let mut seq = b.new_sequence().unwrap();
+        let out = generate_on(&mut b, seq.as_mut(), &req, Instant::now(), |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        // the same tokens as one step at a time; the last step does not run ahead
+        assert_eq!(out.tokens, [5, 6, 7, 8]);
+        assert_eq!(
+            b.calls,
+            vec![
+                (vec![3, 4], true),
+                (vec![5], true),
+                (vec![6], true),
+                (vec![7], false)
+            ]
+        );
+        assert!(b.pending.is_none());
+        assert_eq!(seq.len(), 2 + 3);
+
+        // A stop token: the step after it already ran, and the sequence counts its token.
+        b.calls.clear();
+        let mut seq = b.new_sequence().unwrap();
+        let out = generate_on(
+            &mut b,
+            seq.as_mut(),
+            &request(vec![6], 10),
+            Instant::now(),
+            |_| ControlFlow::Continue(()),
+        )
+        .unwrap();
+        assert_eq!(out.tokens, [7, 8]);
+        assert_eq!(out.stop_token.as_ref().unwrap().token, 9);
+        assert_eq!(
+            b.calls,
+            vec![(vec![6], true), (vec![7], true), (vec![8], true)]
+        );
+        assert_eq!(seq.len(), 1 + 3);
     }
 
     #[test]
