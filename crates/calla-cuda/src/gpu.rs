@@ -180,6 +180,26 @@ impl Gpu {
         let f = module
             .load_function(name)
             .with_context(|| format!("kernel {name} not found in its module"))?;
+        // Lab: CALLA_LAB_CARVEOUT=N (percent of the unified L1 given to shared memory) for every
+        // kernel, so consecutive kernels with different shared-memory needs share one split (an SM
+        // changes its split only when idle); CALLA_LAB_CARVEOUT_SKIP=prefix[,prefix…] leaves those
+        // kernels alone (docs/performance.md, sessions 13 and 14).
+        if let Some(pct) = std::env::var("CALLA_LAB_CARVEOUT")
+            .ok()
+            .and_then(|v| v.parse::<i32>().ok())
+        {
+            let skip = std::env::var("CALLA_LAB_CARVEOUT_SKIP").is_ok_and(|list| {
+                list.split(',')
+                    .any(|p| !p.is_empty() && name.starts_with(p))
+            });
+            if !skip {
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    pct,
+                )
+                .with_context(|| format!("{name}: shared-memory carveout {pct}%"))?;
+            }
+        }
         map.insert(name.to_string(), f.clone());
         Ok(f)
     }

@@ -318,12 +318,19 @@ fn down_launch(
         && shared.is_none_or(|s| q4_tc(s.0))
         && chunks <= TC_DOWN_CHUNKS
     {
+        // Lab: CALLA_LAB_DOWN_SMEM_MIN=bytes pads the shared memory so that at most one block fits
+        // per SM (with CALLA_LAB_CARVEOUT), to see whether programmatic launch loses by packing a
+        // dependent's early blocks onto the SMs that free up first (docs/performance.md, session 14).
+        let smem_min = std::env::var("CALLA_LAB_DOWN_SMEM_MIN")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(0);
         return Launch::new(
             gpu,
             "matvec_tc_down_q4",
             (d.div_ceil(16) as u32, 1, 1),
             THREADS,
-            (chunks * (512 + 8)) as u32, // B registers + Σ per group
+            (chunks * (512 + 8)).max(smem_min) as u32, // B registers + Σ per group
             &p,
         );
     }
