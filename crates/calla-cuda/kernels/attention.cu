@@ -130,11 +130,7 @@ __device__ __forceinline__ void norm_rope_row(const float* src, const float* gai
 // lanes of each quarter-warp phase of a 16-byte read (rows t..t+7, one column) hit disjoint banks.
 template <typename KV> __host__ __device__ __forceinline__ int k_pitch(int Dh);
 template <> __host__ __device__ __forceinline__ int k_pitch<float>(int Dh) { return Dh + 4; }
-#if defined(ATTN_BULK_TILE) // lab (with ATTN_BULK): unpadded rows, one bulk copy per K and V tile
-template <> __host__ __device__ __forceinline__ int k_pitch<u16>(int Dh) { return Dh; }
-#else
 template <> __host__ __device__ __forceinline__ int k_pitch<u16>(int Dh) { return Dh + 8; }
-#endif
 
 // q·K[t] over Dh in order d = 0, 1, …: 16-byte reads of the K row and of q (broadcast).
 __device__ __forceinline__ float score_dot(const float* q, const float* k, int Dh) {
@@ -448,66 +444,6 @@ __device__ __forceinline__ void attn_issue_tile(u16* stage, const u16* kc, const
     }
 }
 
-// Lab, off (ATTN_BULK=1, sm_90): the ring's tiles by bulk copies (the TMA engine), one per K and V
-// row, issued by the last warp and completing on the stage's mbarrier, instead of 16-byte cp.asyncs
-// from every thread. Why: at 32K the block took 2.98 µs from entry to its first two tiles issued
-// against 1.72 µs for one at 4K (session 9's stamps): 16-byte copies through the load/store unit
-// stall their issuing threads once too many are outstanding, and every warp issues them between its
-// tiles' products. Bulk copies leave seven warps free and are not bounded by the unit's queue.
-#if !defined(ATTN_BULK) || !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#undef ATTN_BULK
-#define ATTN_BULK 0
-#endif
-#define ATTN_ISSUE_WARP (ATTN_WARPS - 1)
-// One tile into a ring stage by bulk copies, from the issuing warp (every lane calls): lane r copies
-// K row r and V row r (rows < n, except `skip_row`), rows ≥ n are zeroed by plain stores (published
-// by the block barrier before the tile is read), and lane 0 announces the bytes on `bar`.
-__device__ __forceinline__ void attn_issue_tile_bulk(u16* stage, const u16* kc, const u16* vc, int base, int n,
-                                                     int skip_row, int Dh, u32 bar) {
-    const int lane = threadIdx.x & 31, kp = k_pitch<u16>(Dh);
-    const u32 row_bytes = (u32)Dh * 2;
-    u16* vstage = stage + ATTN_TILE * kp;
-    const int live = n - (skip_row >= 0 && skip_row < n ? 1 : 0);
-    if (lane == 0) mbar_arrive_expect_tx(bar, 2u * row_bytes * (u32)max(live, 0));
-    __syncwarp();
-#if !defined(ATTN_KV_EVICT_NORMAL)
-    const u64 policy = l2_evict_first();
-#endif
-#if defined(ATTN_BULK_TILE)
-    // rows are unpadded and contiguous in the cache: one copy each of the live rows (skip_row, when
-    // set, is the tile's last live row: the block's position p)
-    if (lane == 0 && live > 0) {
-        const i64 src = (i64)base * Dh;
-        bulk_copy_g2s_policy(smem_addr(stage), kc + src, row_bytes * (u32)live, bar, policy);
-        bulk_copy_g2s_policy(smem_addr(vstage), vc + src, row_bytes * (u32)live, bar, policy);
-    }
-    for (int r = n + lane; r < ATTN_TILE; r += 32)
-        for (int d = 0; d < Dh; d += 8) {
-            *(uint4*)(stage + r * kp + d) = make_uint4(0u, 0u, 0u, 0u);
-            *(uint4*)(vstage + r * kp + d) = make_uint4(0u, 0u, 0u, 0u);
-        }
-    return;
-#endif
-    for (int r = lane; r < ATTN_TILE; r += 32) {
-        if (r < n) {
-            if (r == skip_row) continue;
-            const i64 src = (i64)(base + r) * Dh;
-#if !defined(ATTN_KV_EVICT_NORMAL)
-            bulk_copy_g2s_policy(smem_addr(stage + r * kp), kc + src, row_bytes, bar, policy);
-            bulk_copy_g2s_policy(smem_addr(vstage + r * kp), vc + src, row_bytes, bar, policy);
-#else
-            bulk_copy_g2s(smem_addr(stage + r * kp), kc + src, row_bytes, bar);
-            bulk_copy_g2s(smem_addr(vstage + r * kp), vc + src, row_bytes, bar);
-#endif
-        } else {
-            for (int d = 0; d < Dh; d += 8) {
-                *(uint4*)(stage + r * kp + d) = make_uint4(0u, 0u, 0u, 0u);
-                *(uint4*)(vstage + r * kp + d) = make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
-    }
-}
-
 // attn_decode_bf16_bar: the splits' merge after a barrier among the splits of a kv head instead of
 // two ticketed levels (measured with LAB_STAMPS, the ticketed merge took ~11.7 µs of the kernel's
 // ~21.8 at 4K and ~19 µs at 32K: a fence and an atomic per level, then one block per group reading
@@ -666,24 +602,6 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
     };
 
     // The cache rows do not depend on the prologue: the first tiles are on their way meanwhile.
-#if ATTN_BULK
-    __shared__ __align__(8) u64 stage_bar[ATTN_STAGES]; // one mbarrier per ring stage
-    if (warp == ATTN_ISSUE_WARP) {
-        if (lane == 0) {
-#pragma unroll
-            for (int s = 0; s < ATTN_STAGES; ++s) mbar_init(smem_addr(&stage_bar[s]), 1);
-            fence_mbar_init();
-        }
-        __syncwarp();
-#pragma unroll
-        for (int i = 0; i < ATTN_STAGES - 1; ++i)
-            if (i < ntiles) {
-                int base, n, p_row;
-                tile_rows(i, base, n, p_row);
-                attn_issue_tile_bulk(kv_s + i * stage_elems, kc, vc, base, n, p_row, Dh, smem_addr(&stage_bar[i]));
-            }
-    }
-#else
 #pragma unroll
     for (int i = 0; i < ATTN_STAGES - 1; ++i) {
         if (i < ntiles) {
@@ -693,7 +611,6 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         }
         cp_async_commit();
     }
-#endif
     LAB_STAMP(1);
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -752,11 +669,7 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         tile_rows(i, base, n, p_row);
         u16* ks = kv_s + (i % ATTN_STAGES) * stage_elems;
         u16* vs = ks + ATTN_TILE * kp;
-#if ATTN_BULK
-        mbar_wait(smem_addr(&stage_bar[i % ATTN_STAGES]), (u32)(i / ATTN_STAGES) & 1u); // tile i's rows have landed
-#else
         cp_async_wait<ATTN_STAGES - 2>(); // this thread's copies of tile i have landed
-#endif
         if (p_row >= 0)
             for (int d = tid; d < Dh; d += blockDim.x) {
                 ks[p_row * kp + d] = kvp_s[d];
@@ -765,21 +678,12 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         __syncthreads(); // tile i complete; every warp is past tile i − 1 (scores, softmax, P·V)
         {
             const int next = i + ATTN_STAGES - 1; // into the stage tile i − 1 used
-#if ATTN_BULK
-            if (next < ntiles && warp == ATTN_ISSUE_WARP) {
-                int nb, nn, np;
-                tile_rows(next, nb, nn, np);
-                attn_issue_tile_bulk(kv_s + (next % ATTN_STAGES) * stage_elems, kc, vc, nb, nn, np, Dh,
-                                     smem_addr(&stage_bar[next % ATTN_STAGES]));
-            }
-#else
             if (next < ntiles) {
                 int nb, nn, np;
                 tile_rows(next, nb, nn, np);
                 attn_issue_tile(kv_s + (next % ATTN_STAGES) * stage_elems, kc, vc, nb, nn, np, Dh);
             }
             cp_async_commit();
-#endif
         }
         // scores: this warp's 16 positions × its d-chunks; hi and lo products in two chains
         float sh[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -896,9 +800,7 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
             }
         }
     }
-#if !ATTN_BULK
     cp_async_wait<0>(); // only empty groups remain; nothing in flight at exit
-#endif
     LAB_AFTER(__float_as_uint(o[0][0][0]));
     LAB_STAMP(3);
 

@@ -209,12 +209,6 @@ __device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 byte
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
-// The same with an L2 cache policy (`l2_evict_first`).
-__device__ __forceinline__ void bulk_copy_g2s_policy(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar), "l"(policy)
-                 : "memory");
-}
 // Makes mbarrier inits visible to the async proxy (the bulk copies' complete_tx) and other threads.
 __device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // Pins accumulator registers at this point of the program (the compiler must not move their reads
