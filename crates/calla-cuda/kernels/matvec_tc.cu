@@ -560,38 +560,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         }
     }
 #endif
-    // The loads of one tile for this lane: codes of rows g, g + 8 in the warp's CW chunks, and the
-    // (scale, bias) pairs of the 2·CW groups they span (one 8·CW-byte load per row; lane c uses
-    // group 2·chunk + (c & 1) of them).
-    auto issue = [&](int t, uint4 (&cd)[CW][2], u32 (&pr)[2][2 * CW]) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u8 *data, *prm;
-            map.row(t, g + 8 * h, data, prm);
-            tc_row_fragments<CW>(data, prm, warp, c, h, cd, pr[h], [](const void* a) { return ldg16_in_order(a); },
-                                 [](const void* a) { return ldg8_in_order(a); });
-        }
-    };
-
-    uint4 codes[NB][CW][2];
-    u32 par[NB][2][2 * CW];
-
-    auto issue_first = [&] {
-#pragma unroll
-        for (int s = 0; s < NB; ++s) {
-            const int t = block + s * nblocks;
-            if (t < tiles) issue(t, codes[s], par[s]);
-        }
-    };
-    // Lab (off): MTC_LAB_WEIGHTS_FIRST requests the K = 2048 fixed-row products' first tiles before
-    // griddep_enter, so that with programmatic launch (their default) the blocks that start beside
-    // MoE down's have their weights on the way before x exists (docs/performance.md, session 14).
-#if defined(MTC_LAB_WEIGHTS_FIRST)
-    constexpr bool weights_first = Map::STATIC_ROWS && CW == 2 && !BULK;
-#else
-    constexpr bool weights_first = false;
-#endif
-    if constexpr (weights_first) issue_first();
     griddep_enter(); // programmatic dependent launch (CALLA_PDL=1); no-ops otherwise
 
     // x and its norm gain first (from L2): the weight loads are issued only once they have arrived.
@@ -623,6 +591,29 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     LAB_STAMP(4);
 #endif
 
+    // The loads of one tile for this lane: codes of rows g, g + 8 in the warp's CW chunks, and the
+    // (scale, bias) pairs of the 2·CW groups they span (one 8·CW-byte load per row; lane c uses
+    // group 2·chunk + (c & 1) of them).
+    auto issue = [&](int t, uint4 (&cd)[CW][2], u32 (&pr)[2][2 * CW]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u8 *data, *prm;
+            map.row(t, g + 8 * h, data, prm);
+            tc_row_fragments<CW>(data, prm, warp, c, h, cd, pr[h], [](const void* a) { return ldg16_in_order(a); },
+                                 [](const void* a) { return ldg8_in_order(a); });
+        }
+    };
+
+    uint4 codes[NB][CW][2];
+    u32 par[NB][2][2 * CW];
+
+    auto issue_first = [&] {
+#pragma unroll
+        for (int s = 0; s < NB; ++s) {
+            const int t = block + s * nblocks;
+            if (t < tiles) issue(t, codes[s], par[s]);
+        }
+    };
     // x·gain and Σx² from the loaded x (thread tid owns the words tid, tid + 256, …).
     float xv[WPT][8];
     auto x_times_gain = [&] {
@@ -675,7 +666,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 #ifndef MTC_WARP_ISSUE
 #define MTC_WARP_ISSUE 2 // lab: 0 never per thread, 1 for every fixed-row product
 #endif
-        constexpr bool warp_issue = !BULK && !weights_first && (MTC_WARP_ISSUE == 1 || (MTC_WARP_ISSUE == 2 && CW == 2));
+        constexpr bool warp_issue = !BULK && (MTC_WARP_ISSUE == 1 || (MTC_WARP_ISSUE == 2 && CW == 2));
         if constexpr (warp_issue) {
             asm volatile("" ::"f"(ss));
             issue_first();
@@ -687,7 +678,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         block_sum_post(ss, scratch, lane, warp);
         __syncthreads();
         const float total = block_sum_collect<MTC_WARPS>(scratch);
-        if constexpr (!warp_issue && !BULK && !weights_first) issue_first();
+        if constexpr (!warp_issue && !BULK) issue_first();
         LAB_STAMP(1);
         stage(total);
         // With CW = 2 a warp stages exactly the words of its own chunks (word tid: chunk tid/16,
