@@ -62,6 +62,10 @@ struct SelectParams {
     u64 bias;     // [V] f32 (config.use_bias)
     u64 seen;     // [V] u8: in prompt or output (config.use_seen)
     u64 counts;   // [V] u32: occurrences in the output (config.use_counts)
+    u64 result_host; // [2] SelectResult in page-locked host memory mapped for the device, or 0: the
+                     // result is also written to slot pos & 1 (the position the token was chosen at),
+                     // so the host reads it when the step's event completes, with no copy queued
+                     // between two decode steps in flight
     int V, chunk, advance, pad;
 };
 
@@ -596,6 +600,19 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         cfg->step_hi = (u32)(step >> 32);
         if (c.use_counts) ((u32*)p.counts)[token] += 1;
         if (c.use_seen) ((u8*)p.seen)[token] = 1;
+        if (p.result_host) { // thread 0 wrote every field of res itself
+            const int pos = ((const Cursor*)p.cursor)->pos; // before the advance below
+            SelectResult* h = (SelectResult*)p.result_host + (pos & 1);
+            const int n_top = res->n_top;
+            for (int k = 0; k < n_top; ++k) {
+                h->top_ids[k] = res->top_ids[k];
+                h->top_logprobs[k] = res->top_logprobs[k];
+            }
+            h->n_top = n_top;
+            h->sampled = sampled;
+            h->logprob = res->logprob;
+            h->token = token;
+        }
         if (p.advance) {
             Cursor* cur = (Cursor*)p.cursor;
             cur->token = token;
@@ -633,6 +650,6 @@ extern "C" __global__ void __launch_bounds__(256) penalty_tables(const PenaltyPa
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(SelectConfig) == 64, "SelectConfig layout differs from its Rust twin");
 static_assert(sizeof(SelectResult) == 176, "SelectResult layout differs from its Rust twin");
-static_assert(sizeof(SelectParams) == 88, "SelectParams layout differs from its Rust twin");
+static_assert(sizeof(SelectParams) == 96, "SelectParams layout differs from its Rust twin");
 static_assert(sizeof(PenaltyParams) == 48, "PenaltyParams layout differs from its Rust twin");
 static_assert(sizeof(SelectPartial) == 708, "SelectPartial layout differs from its Rust twin");

@@ -8,8 +8,9 @@
 //! A step uploads the 16-byte cursor only when the device's copy is not already right (during
 //! decode it never is needed: the select kernel moved it), replays, and reads back the chosen token.
 //! `step_pipelined` replays the next step's graph before it waits for this one's token (two steps
-//! in flight): each step's selection is copied into its own page-locked slot, so the device goes
-//! from one token to the next without waiting for the host.
+//! in flight): the selection kernel writes each step's result into its own slot of mapped host
+//! memory (the position's parity), so the device goes from one token to the next without waiting
+//! for the host, and nothing is queued between two steps to copy a result out.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -111,7 +112,7 @@ const RAN_AHEAD: &str =
 struct InFlight {
     /// the sequence it runs on (CudaSequence::id)
     seq_id: u64,
-    /// the readback slot its selection is copied into
+    /// the readback slot its selection is written into (its position's parity)
     slot: usize,
     /// its input: the token the step before chose
     token: u32,
@@ -161,9 +162,8 @@ pub struct CudaBackend {
     select_advance: Launch,
     graphs: Option<Graphs>,
     cursor_mirror: Option<Cursor>,
-    /// each step's selection result, copied out per step into one of two slots
+    /// each step's selection result, written by the selection kernel into slot pos & 1
     readback: ReadbackSlots<SelectResult>,
-    next_slot: usize,
     /// the step `step_pipelined` started ahead and has not returned yet
     in_flight: Option<InFlight>,
     pub report: CudaLoadReport,
@@ -228,7 +228,14 @@ impl CudaBackend {
         let selector = Selector::new(&mut scratch_arena, spec.vocab_size, max_ctx + 1)?;
         let body = forward::body_launches(&gpu, spec, &model, &layout, &scratch)?;
         let head = forward::head_launches(&gpu, spec, &model, &scratch)?;
-        let select_advance = selector.launch(&gpu, scratch.logits, scratch.cursor, true)?;
+        let readback = ReadbackSlots::new(&gpu, 2)?;
+        let select_advance = selector.launch(
+            &gpu,
+            scratch.logits,
+            scratch.cursor,
+            true,
+            Some(readback.device_ptr()),
+        )?;
         let report = CudaLoadReport {
             device: gpu.describe(),
             libraries: gpu.libraries.clone(),
@@ -249,7 +256,6 @@ impl CudaBackend {
             launches_per_token: body.len() + head.len() + 1,
             state_bytes_per_sequence: layout.bytes,
         };
-        let readback = ReadbackSlots::new(&gpu, 2)?;
         let mut backend = CudaBackend {
             gpu,
             spec: spec.clone(),
@@ -263,7 +269,6 @@ impl CudaBackend {
             graphs: None,
             cursor_mirror: None,
             readback,
-            next_slot: 0,
             in_flight: None,
             report,
             prompt: None,
@@ -380,18 +385,18 @@ impl CudaBackend {
         prefill::run_prompt_tokens(self, seq, prompt)?;
         let pos = seq.len + prompt.len();
         self.set_cursor(seq, pos, last[0])?;
-        let slot = self.queue_decode()?;
+        let slot = self.queue_decode(pos)?;
         seq.len += tokens.len();
         Ok(slot)
     }
 
-    /// Replay the decode graph for the token the device cursor holds and queue its selection's
-    /// copy into the next readback slot (two slots: at most two steps are ever outstanding).
-    fn queue_decode(&mut self) -> Result<usize> {
-        let slot = self.next_slot;
-        self.next_slot ^= 1;
+    /// Replay the decode graph for the token the device cursor holds, at position `pos`; its
+    /// selection lands in readback slot pos & 1 (two slots: the two steps that can be outstanding
+    /// are at consecutive positions).
+    fn queue_decode(&mut self, pos: usize) -> Result<usize> {
+        let slot = pos & 1;
         self.run_decode()?;
-        self.readback.queue(slot, self.selector.result)?;
+        self.readback.record(slot)?;
         Ok(slot)
     }
 
@@ -568,7 +573,7 @@ impl Backend for CudaBackend {
         // The next step reads its token, position and selection state from the device, where this
         // step's selection leaves them: it can be queued before this step's token is known.
         let ahead = if continue_after && seq.len < self.layout.max_ctx {
-            let s = self.queue_decode()?;
+            let s = self.queue_decode(seq.len)?;
             seq.len += 1;
             seq.ran_ahead = true;
             Some(s)

@@ -521,64 +521,70 @@ impl Launch {
     }
 }
 
-/// Page-locked host slots that the stream copies a small device value into, each with an event:
-/// the host waits for one slot's copy while later work stays queued behind it (two decode steps in
-/// flight: step n's selection is copied out before step n + 1 overwrites it on the device).
+/// Page-locked host slots, mapped into the device's address space, that a kernel writes a small
+/// result into (select.cu's slot pos & 1), each with an event: the host waits for one slot's step
+/// while the next step stays queued behind it (two decode steps in flight), and nothing is queued
+/// between the steps to copy the result out.
 pub struct ReadbackSlots<T: Copy> {
     host: *mut T,
+    device: DPtr,
     events: Vec<cudarc::driver::CudaEvent>,
     gpu: Arc<Gpu>,
 }
 
 // SAFETY: the host slots are only touched through &self/&mut self of the one owner (the backend,
-// driven from one thread at a time), after their copy's event has completed.
+// driven from one thread at a time), after the event of the step that wrote them has completed.
 unsafe impl<T: Copy> Send for ReadbackSlots<T> {}
 
 impl<T: Copy> ReadbackSlots<T> {
     pub fn new(gpu: &Arc<Gpu>, slots: usize) -> Result<ReadbackSlots<T>> {
         gpu.bind()?;
         let bytes = slots * std::mem::size_of::<T>();
-        // SAFETY: plain page-locked allocation (not write-combined: the host reads it), freed in drop.
-        let host = unsafe { cu::malloc_host(bytes.max(1), 0) }
-            .map_err(|e| anyhow!("allocating {bytes} bytes of page-locked host memory: {e}"))?
-            as *mut T;
+        // SAFETY: page-locked allocation (not write-combined: the host reads it), freed in drop.
+        let host = unsafe { cu::malloc_host(bytes.max(1), sys::CU_MEMHOSTALLOC_DEVICEMAP) }
+            .map_err(|e| {
+                anyhow!("allocating {bytes} bytes of mapped page-locked host memory: {e}")
+            })? as *mut T;
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: host was allocated with DEVICEMAP just above.
+        if let Err(e) =
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host as *mut c_void, 0) }
+                .result()
+        {
+            // SAFETY: allocated above, not yet shared.
+            let _ = unsafe { cu::free_host(host as *mut c_void) };
+            bail!("mapping page-locked host memory into the device: {e}");
+        }
         let events = (0..slots)
             .map(|_| gpu.ctx.new_event(None))
             .collect::<Result<Vec<_>, _>>()
             .context("creating readback events")?;
         Ok(ReadbackSlots {
             host,
+            device: DPtr(device),
             events,
             gpu: gpu.clone(),
         })
     }
 
-    /// Queue the copy of one `T` at `src` into `slot`, after everything queued so far.
-    pub fn queue(&self, slot: usize, src: DPtr) -> Result<()> {
-        self.gpu.bind()?;
-        let bytes = std::mem::size_of::<T>();
+    /// The slots' address for kernels.
+    pub fn device_ptr(&self) -> DPtr {
+        self.device
+    }
+
+    /// Mark `slot` as written by the work queued so far (record its event).
+    pub fn record(&self, slot: usize) -> Result<()> {
         anyhow::ensure!(
             slot < self.events.len(),
             "readback slot {slot} out of range"
         );
-        // SAFETY: slot is in range of the host allocation; src holds a T on the device (caller).
-        let dst = unsafe { self.host.add(slot) };
-        unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                dst as *mut c_void,
-                src.0,
-                bytes,
-                self.gpu.stream.cu_stream(),
-            )
-        }
-        .result()
-        .with_context(|| format!("copying {bytes} bytes from the GPU"))?;
+        self.gpu.bind()?;
         self.events[slot]
             .record(&self.gpu.stream)
             .context("recording a readback event")
     }
 
-    /// Wait for `slot`'s last queued copy (and so for everything queued before it) and read it.
+    /// Wait for the work recorded for `slot` (and so for everything queued before it) and read it.
     pub fn wait(&self, slot: usize) -> Result<T> {
         anyhow::ensure!(
             slot < self.events.len(),
@@ -587,7 +593,8 @@ impl<T: Copy> ReadbackSlots<T> {
         self.events[slot]
             .synchronize()
             .map_err(|e| anyhow!("CUDA error while running kernels: {e}"))?;
-        // SAFETY: the copy into this slot has completed; nothing writes it until the next queue().
+        // SAFETY: the kernel that wrote this slot has completed (its writes to mapped host memory
+        // are visible once the event is); nothing writes it until a later step is queued.
         Ok(unsafe { std::ptr::read_volatile(self.host.add(slot)) })
     }
 }

@@ -72,6 +72,8 @@ pub struct SelectParams {
     pub bias: u64,
     pub seen: u64,
     pub counts: u64,
+    /// [2] SelectResult in mapped page-locked host memory (slot pos & 1), or 0
+    pub result_host: u64,
     pub v: i32,
     pub chunk: i32,
     pub advance: i32,
@@ -146,9 +148,17 @@ impl Selector {
         2 * n * 4
     }
 
-    /// The selection launch: reads logits [V], writes the result; `advance` moves the cursor to the
-    /// chosen token at the next position.
-    pub fn launch(&self, gpu: &Gpu, logits: DPtr, cursor: DPtr, advance: bool) -> Result<Launch> {
+    /// The selection launch: reads logits [V], writes the result (also into `result_host`'s slot
+    /// pos & 1 when given: two SelectResults of mapped host memory); `advance` moves the cursor to
+    /// the chosen token at the next position.
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        logits: DPtr,
+        cursor: DPtr,
+        advance: bool,
+        result_host: Option<DPtr>,
+    ) -> Result<Launch> {
         let p = SelectParams {
             logits: logits.0,
             config: self.config.0,
@@ -159,6 +169,7 @@ impl Selector {
             bias: self.bias.0,
             seen: self.seen.0,
             counts: self.counts.0,
+            result_host: result_host.map_or(0, |p| p.0),
             v: self.vocab as i32,
             chunk: self.chunk as i32,
             advance: advance as i32,

@@ -7,6 +7,7 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use calla_cuda::select::SelectResult;
 use calla_cuda::{CudaBackend, CudaOptions};
 use calla_engine::generate::{generate_on, GenerateRequest};
 use calla_engine::sampling::SamplingParams;
@@ -25,7 +26,9 @@ fn fixture() -> PathBuf {
     root.join("models/qwen35moe-causal-perexpert")
 }
 
-/// One step at a time through `step`, each selection built as the generation loop builds it.
+/// One step at a time through `step`, each selection built as the generation loop builds it. Every
+/// choice (read from the mapped host slot the selection kernel writes) is checked against the
+/// result the kernel leaves in device memory.
 fn one_at_a_time(
     be: &mut CudaBackend,
     prompt: &[u32],
@@ -48,6 +51,19 @@ fn one_at_a_time(
             top_logprobs: 4,
         };
         let c = be.step(seq.as_mut(), &tokens, &sel).unwrap();
+        let mut dev = [SelectResult::default()];
+        be.gpu().dtoh(be.selector.result, &mut dev).unwrap();
+        let d = dev[0];
+        let n = d.n_top.max(0) as usize;
+        assert!(
+            d.token as u32 == c.token
+                && d.logprob.to_bits() == c.logprob.to_bits()
+                && n == c.top.len()
+                && c.top.iter().enumerate().all(|(k, (id, lp))| {
+                    d.top_ids[k] as u32 == *id && d.top_logprobs[k].to_bits() == lp.to_bits()
+                }),
+            "step {step}: the host slot's result differs from the device's"
+        );
         generated.push(c.token);
         out.push(c);
     }

@@ -22,7 +22,7 @@ fn selection_matches_the_reference_sampler() {
         let mut sel_dev = Selector::new(&mut arena, v, 4096).unwrap();
         let logits_d = arena.alloc_zeroed(v * 4).unwrap();
         let cursor = arena.alloc_zeroed(16).unwrap();
-        let launch = sel_dev.launch(&gpu, logits_d, cursor, false).unwrap();
+        let launch = sel_dev.launch(&gpu, logits_d, cursor, false, None).unwrap();
         let base = SamplingParams::default();
         let cases: Vec<(&str, SamplingParams, usize, f32)> = vec![
             ("greedy", base.clone(), 0, 3.0),
