@@ -5,8 +5,9 @@
 //!               [--context N] [--sweep] [--rounds R] [--json]
 //!   calla bench --model DIR [--quant q4|q8|bf16|f32] …
 //!
-//! Decode is timed token by token as a server streams (each token read back), after warm-up, as the
-//! median over rounds; prefill as time to first token. Every tok/s comes with the bytes it moved and
+//! Decode is timed token by token as a server streams (each token read back as it is chosen, with the
+//! next step already queued as generation runs; `--no-pipeline`: one step at a time), after warm-up,
+//! as the median over rounds; prefill as time to first token. Every tok/s comes with the bytes it moved and
 //! the fraction of the device copy bandwidth measured in the same run. Each round's generated tokens
 //! are digested (FNV-1a 64); greedy decoding from the same state must repeat them.
 
