@@ -372,7 +372,8 @@ impl CudaBackend {
     }
 
     /// Queue `tokens` on `seq`: the prompt part through the layers, the last token through the
-    /// decode graph, its selection copied into a readback slot (returned). Nothing is waited for.
+    /// decode graph, its selection written into a readback slot (returned). The decode step is not
+    /// waited for.
     fn start_step(
         &mut self,
         seq: &mut CudaSequence,
@@ -549,6 +550,7 @@ impl Backend for CudaBackend {
         let seq = cuda_sequence(seq)?;
         let slot = if seq.ran_ahead {
             // this call's step is already running: it must be the one started
+            let current = self.selector.is_current(sel);
             let f = match self.in_flight.take() {
                 Some(f) if f.seq_id == seq.id => f,
                 other => {
@@ -557,8 +559,10 @@ impl Backend for CudaBackend {
                 }
             };
             let expected = f.token;
-            if tokens != [expected] || !self.selector.is_current(sel)? {
+            if tokens != [expected] || !matches!(current, Ok(true)) {
+                // the step stays in flight (settled by whatever runs next)
                 self.in_flight = Some(f);
+                current?;
                 bail!(
                     "this sequence's next step (token {expected}, the same selection one draw on) is \
                      already running; asked for another"

@@ -539,6 +539,10 @@ unsafe impl<T: Copy> Send for ReadbackSlots<T> {}
 impl<T: Copy> ReadbackSlots<T> {
     pub fn new(gpu: &Arc<Gpu>, slots: usize) -> Result<ReadbackSlots<T>> {
         gpu.bind()?;
+        let events = (0..slots)
+            .map(|_| gpu.ctx.new_event(None))
+            .collect::<Result<Vec<_>, _>>()
+            .context("creating readback events")?;
         let bytes = slots * std::mem::size_of::<T>();
         // SAFETY: page-locked allocation (not write-combined: the host reads it), freed in drop.
         let host = unsafe { cu::malloc_host(bytes.max(1), sys::CU_MEMHOSTALLOC_DEVICEMAP) }
@@ -555,10 +559,6 @@ impl<T: Copy> ReadbackSlots<T> {
             let _ = unsafe { cu::free_host(host as *mut c_void) };
             bail!("mapping page-locked host memory into the device: {e}");
         }
-        let events = (0..slots)
-            .map(|_| gpu.ctx.new_event(None))
-            .collect::<Result<Vec<_>, _>>()
-            .context("creating readback events")?;
         Ok(ReadbackSlots {
             host,
             device: DPtr(device),
