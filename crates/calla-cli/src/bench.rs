@@ -20,6 +20,7 @@ use anyhow::{bail, Context, Result};
 use calla_cuda::bench::{self, BenchModel, BenchOptions, BenchReport, Progress};
 use calla_cuda::weights::Format;
 use calla_cuda::KvDtype;
+use calla_engine::sampling::SamplingParams;
 use calla_model::load::{load_model, LoadOptions, Quant};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -84,12 +85,31 @@ pub struct Args {
     /// instead of with the next step in flight, as `calla generate` and `calla serve` decode.
     #[arg(long)]
     no_pipeline: bool,
+    /// Decode by sampling at this temperature instead of greedy (0), e.g. to time a chat client's
+    /// settings; with --top-p, --top-k. The draws are seeded, so rounds still repeat.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling threshold (1 = off); needs --temperature.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep the k most likely tokens (0 = off); needs --temperature.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
     /// Print one JSON object instead of the table (no progress bars).
     #[arg(long)]
     json: bool,
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        bail!(
+            "--temperature {}: expected a finite value ≥ 0",
+            args.temperature
+        );
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--top-p {}: expected a value in (0, 1]", args.top_p);
+    }
     let kv_cache = match args.kv_cache.as_str() {
         "f32" => KvDtype::F32,
         "bf16" => KvDtype::Bf16,
@@ -105,6 +125,13 @@ pub fn run(args: Args) -> Result<()> {
         seed: 0x00CA_11A0,
         profile: args.profile,
         pipelined: !args.no_pipeline,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            seed: 0x5EED,
+            ..SamplingParams::greedy()
+        },
         prompt_precision: args.prompt_precision,
         prompt_chunk: args.prompt_chunk,
     };
@@ -233,8 +260,8 @@ fn print_table(r: &BenchReport) {
     let gb = |b: f64| b / 1e9;
     println!("device      {}", r.device);
     println!(
-        "model       {} ({} {}, KV cache {})",
-        r.model, r.source, r.format, r.kv_cache
+        "model       {} ({} {}, KV cache {}; decode {})",
+        r.model, r.source, r.format, r.kv_cache, r.decode_sampling
     );
     let made = if r.source == "synthetic" {
         "made"

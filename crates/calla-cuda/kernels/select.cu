@@ -145,122 +145,203 @@ __device__ int block_top(float* vals, const int* ids, int id_base, int count, in
     return taken;
 }
 
-// Draw over the whole vocabulary exactly as the reference does: kept = finite z passing the top-p
-// threshold (z > vstar, and of the ids with z == vstar the first tie_room in id order; vstar = −inf
-// keeps every finite z) and min-p; total = Σ w over kept in ascending id order and the running sum
-// are sequential f32 sums, like the reference's, so the same draws come out (a parallel sum rounds
-// differently: at V = 248k the reference's sequential total is off by ~4e-4 relative, which moves
-// draws). The block computes w in tiles of `tile` ids into shared memory; thread 0 accumulates.
-// ~0.7 ms per pass at V = 248k: used only when sampling without top-k. Returns −1 if nothing is kept.
-__device__ int draw_exact(const SelectParams& p, const SelectConfig& c, float zmax, float vstar, int tie_room, float u,
-                          float* w, u8* flag, int tile) {
-    const float* logits = (const float*)p.logits;
-    __shared__ float total_s, run_s;
-    __shared__ int ties_s, chosen_s, last_s, done_s;
-    if (threadIdx.x == 0) { total_s = 0.0f; ties_s = 0; last_s = -1; chosen_s = -1; done_s = 0; run_s = 0.0f; }
-    for (int pass = 0; pass < 2; ++pass) {
-        if (threadIdx.x == 0) ties_s = 0;
-        __syncthreads();
-        const float target = u * total_s;
-        for (int base = 0; base < p.V; base += tile) {
-            const int n = min(tile, p.V - base);
-            for (int k = threadIdx.x; k < n; k += blockDim.x) {
-                const float z = adjust(p, c, base + k, logits[base + k], true);
-                u8 f = 0; // 0 drop, 1 keep, 2 tie at the top-p boundary
-                float wk = 0.0f;
-                if (z > NEG_INF && z < __int_as_float(0x7f800000) && z >= vstar) {
-                    wk = expf(z - zmax);
-                    f = z > vstar ? 1 : 2;
-                    if (c.min_p > 0.0f && !(wk >= c.min_p)) f = 0;
-                }
-                w[k] = wk;
-                flag[k] = f;
+// ---------------------------------------------------------------- sampling: the weight tree
+// calla_engine::sampling::weight_tree and tree_draw, on the block: leaf i = w_i = exp(z_i − zmax) for
+// the kept ids, 0 for the others and past V, padded to a power of two N; each node = left + right
+// (f32). Kept: finite z > vstar; of the ids with z == vstar the first tie_room in id order; with
+// min_p, w ≥ min_p (ties are ranked before min-p, as in the reference: a tie group shares one z).
+// Groups of GS = 32·G consecutive ids: lane l of a warp holds ids [l·G, l·G + G) of its group and sums
+// them pairwise, and the xor shuffles add the lanes pairwise (f32 addition commutes, so every lane
+// gets the same value), so a group's sum is its subtree's node. Shared memory (`words` floats, the
+// candidates' arrays, free by then): heap [2·NG] (heap[NG + g] = group g's sum, heap[k] = heap[2k] +
+// heap[2k + 1], heap[1] the root), ties [NG] (ids at vstar before group g), mini [2·GS] (one group's
+// subtree for the descent). Before (session 13 and earlier) the sums were sequential in id order, one
+// thread over the whole vocabulary: ~28 ms per sampled token at V = 248K (docs/performance.md,
+// session 14).
+#define TREE_MAX_G 8
+#define TREE_BATCH 4 // groups whose logits a warp requests at once (the loads are L2 round trips)
+struct TreeShape { int G, GS, NG; };
+__device__ __forceinline__ TreeShape tree_shape(int V, int words) {
+    int N = 1;
+    while (N < V) N <<= 1;
+    TreeShape t;
+    for (t.G = 1;; t.G <<= 1) {
+        t.GS = 32 * t.G;
+        t.NG = max(1, N / t.GS);
+        if ((3 * t.NG + 2 * t.GS <= words && t.G <= TREE_MAX_G) || t.NG == 1) break;
+    }
+    return t;
+}
+
+// kept = the first n of the ranked candidates (z ↓, id ↑) in the (vstar, tie_room) form.
+__device__ __forceinline__ void ranked_prefix(const float* vals, int n, float& vstar, int& tie_room) {
+    vstar = vals[n - 1];
+    int above = 0;
+    for (int k = 0; k < n; ++k) above += vals[k] > vstar ? 1 : 0;
+    tie_room = n - above;
+}
+
+// This lane's G leaves of group g (every lane of the warp calls: the tie ranks are a warp scan);
+// ties_before: ids at vstar in the groups before g (0 without ties).
+__device__ __forceinline__ void tree_leaves(const SelectParams& p, const SelectConfig& c, float zmax, float vstar,
+                                            int tie_room, bool min_p, int g, const TreeShape& t, int ties_before,
+                                            const float (&raw)[TREE_MAX_G], float (&w)[TREE_MAX_G]) {
+    const int lane = threadIdx.x & 31, first = g * t.GS + lane * t.G;
+    bool tie[TREE_MAX_G];
+    int my_ties = 0;
+#pragma unroll
+    for (int j = 0; j < TREE_MAX_G; ++j) {
+        w[j] = 0.0f;
+        tie[j] = false;
+        const int id = first + j;
+        if (j < t.G && id < p.V) {
+            const float z = adjust(p, c, id, raw[j], true);
+            if (z > NEG_INF && z < __int_as_float(0x7f800000) && z >= vstar) {
+                w[j] = expf(z - zmax);
+                tie[j] = z == vstar;
+                my_ties += tie[j] ? 1 : 0;
             }
-            __syncthreads();
-            if (threadIdx.x == 0 && !done_s) {
-                float acc = pass == 0 ? total_s : run_s;
-                int ties = ties_s;
-                for (int k = 0; k < n; ++k) {
-                    const u8 f = flag[k];
-                    if (f == 0) continue;
-                    // ties are counted before min-p in the reference (top-p, then min-p), but a
-                    // tie group shares one z, so min-p keeps all of it or none
-                    if (f == 2 && ties++ >= tie_room) continue;
-                    acc += w[k];
-                    if (pass == 0) {
-                        last_s = base + k;
-                    } else if (acc > target) {
-                        chosen_s = base + k;
-                        done_s = 1;
-                        break;
-                    }
-                }
-                ties_s = ties;
-                if (pass == 0) total_s = acc; else run_s = acc;
-            }
-            __syncthreads();
-            if (done_s) break;
         }
-        if (pass == 0 && last_s < 0) break; // nothing kept
     }
-    __syncthreads();
-    return chosen_s >= 0 ? chosen_s : last_s;
+    // this lane's first tie's rank among the ids at vstar (id order)
+    int rank = my_ties;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, rank, o);
+        if (lane >= o) rank += v;
+    }
+    rank = ties_before + rank - my_ties;
+#pragma unroll
+    for (int j = 0; j < TREE_MAX_G; ++j) {
+        if (tie[j]) w[j] = rank++ < tie_room ? w[j] : 0.0f;
+        if (min_p && w[j] > 0.0f && !(w[j] >= c.min_p)) w[j] = 0.0f;
+    }
 }
 
-// The reference's last steps on a small kept set given in rank order (ids[k], z[k]), k < n ≤
-// SEL_MAX_CAND: ascending id order, min-p, sequential total, the first id whose running sum
-// exceeds u·total (the last kept id if none). One thread.
-__device__ int draw_ranked(const int* ids, const float* z, int n, float zmax, float min_p, float u) {
-    int order[SEL_MAX_CAND];
-    for (int k = 0; k < n; ++k) order[k] = k;
-    for (int a = 1; a < n; ++a) {
-        const int t = order[a];
-        int b = a - 1;
-        while (b >= 0 && ids[order[b]] > ids[t]) { order[b + 1] = order[b]; --b; }
-        order[b + 1] = t;
-    }
-    float total = 0.0f;
-    int last = -1;
-    for (int k = 0; k < n; ++k) {
-        const float w = expf(z[order[k]] - zmax);
-        if (min_p > 0.0f && !(w >= min_p)) continue;
-        total += w;
-        last = ids[order[k]];
-    }
-    const float target = u * total;
-    float run = 0.0f;
-    for (int k = 0; k < n; ++k) {
-        const float w = expf(z[order[k]] - zmax);
-        if (min_p > 0.0f && !(w >= min_p)) continue;
-        run += w;
-        if (run > target) return ids[order[k]];
-    }
-    return last;
-}
-
-// Σ exp(z − zmax) over the finite z in ascending id order, as one sequential f32 sum (the
-// reference's top-p normaliser). Tiles of w in shared memory, thread 0 accumulates.
-__device__ float exact_total(const SelectParams& p, const SelectConfig& c, float zmax, float* w, int tile) {
+// This lane's logits of group g (its ids g·GS + lane·G + j, j < G; past V: 0, never used).
+__device__ __forceinline__ void tree_raw(const SelectParams& p, int g, const TreeShape& t, float (&raw)[TREE_MAX_G]) {
     const float* logits = (const float*)p.logits;
-    __shared__ float total_s;
-    if (threadIdx.x == 0) total_s = 0.0f;
-    for (int base = 0; base < p.V; base += tile) {
-        const int n = min(tile, p.V - base);
-        __syncthreads();
-        for (int k = threadIdx.x; k < n; k += blockDim.x) {
-            const float z = adjust(p, c, base + k, logits[base + k], true);
-            w[k] = (z > NEG_INF && z < __int_as_float(0x7f800000)) ? expf(z - zmax) : -1.0f;
+    const int first = g * t.GS + (threadIdx.x & 31) * t.G;
+#pragma unroll
+    for (int j = 0; j < TREE_MAX_G; ++j) raw[j] = j < t.G && first + j < p.V && g < t.NG ? __ldcg(logits + first + j) : 0.0f;
+}
+
+// The lane's leaves summed pairwise, then the lanes' sums pairwise: group g's node.
+__device__ __forceinline__ float tree_group_sum(float (&w)[TREE_MAX_G], int G) {
+#pragma unroll
+    for (int s = 1; s < TREE_MAX_G; s <<= 1)
+#pragma unroll
+        for (int j = 0; j + s < TREE_MAX_G; j += 2 * s)
+            if (s < G) w[j] += w[j + s];
+    float sum = w[0];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    return sum;
+}
+
+// The whole tree into heap (and the ties' group prefix into ties); returns the root (the total).
+// Every thread of the block calls.
+__device__ float tree_build(const SelectParams& p, const SelectConfig& c, float zmax, float vstar, int tie_room,
+                            bool min_p, float* smem, const TreeShape& t) {
+    float* heap = smem;
+    int* ties = (int*)(smem + 2 * t.NG);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const bool any_ties = vstar > NEG_INF && tie_room < 0x7fffffff;
+    if (any_ties) { // ids at vstar per group, then the exclusive prefix over the groups
+        for (int g0 = warp; g0 < t.NG; g0 += nw * TREE_BATCH) {
+            float raw[TREE_BATCH][TREE_MAX_G];
+#pragma unroll
+            for (int b = 0; b < TREE_BATCH; ++b) tree_raw(p, g0 + b * nw, t, raw[b]);
+#pragma unroll
+            for (int b = 0; b < TREE_BATCH; ++b) {
+                const int g = g0 + b * nw;
+                if (g >= t.NG) break; // warp-uniform
+                int n = 0;
+#pragma unroll
+                for (int j = 0; j < TREE_MAX_G; ++j) {
+                    const int id = g * t.GS + lane * t.G + j;
+                    if (j < t.G && id < p.V && adjust(p, c, id, raw[b][j], true) == vstar) ++n;
+                }
+                n = __reduce_add_sync(0xffffffffu, n);
+                if (lane == 0) ties[g] = n;
+            }
         }
         __syncthreads();
         if (threadIdx.x == 0) {
-            float acc = total_s;
-            for (int k = 0; k < n; ++k)
-                if (w[k] >= 0.0f) acc += w[k];
-            total_s = acc;
+            int run = 0;
+            for (int g = 0; g < t.NG; ++g) { const int n = ties[g]; ties[g] = run; run += n; }
+        }
+        __syncthreads();
+    }
+    for (int g0 = warp; g0 < t.NG; g0 += nw * TREE_BATCH) {
+        float raw[TREE_BATCH][TREE_MAX_G];
+#pragma unroll
+        for (int b = 0; b < TREE_BATCH; ++b) tree_raw(p, g0 + b * nw, t, raw[b]);
+#pragma unroll
+        for (int b = 0; b < TREE_BATCH; ++b) {
+            const int g = g0 + b * nw;
+            if (g >= t.NG) break; // warp-uniform
+            float w[TREE_MAX_G];
+            tree_leaves(p, c, zmax, vstar, tie_room, min_p, g, t, any_ties ? ties[g] : 0, raw[b], w);
+            const float sum = tree_group_sum(w, t.G);
+            if (lane == 0) heap[t.NG + g] = sum;
         }
     }
     __syncthreads();
-    return total_s;
+    for (int half = t.NG / 2; half >= 1; half >>= 1) {
+        for (int k = half + threadIdx.x; k < 2 * half; k += blockDim.x) heap[k] = heap[2 * k] + heap[2 * k + 1];
+        __syncthreads();
+    }
+    const float root = heap[1];
+    __syncthreads();
+    return root;
+}
+
+// tree_draw on the tree tree_build left (same arguments): thread 0 descends the groups' heap, warp 0
+// recomputes the chosen group's leaves into `mini`, thread 0 sums its subtree and descends it.
+// Returns the id (every thread).
+__device__ int tree_descend(const SelectParams& p, const SelectConfig& c, float zmax, float vstar, int tie_room,
+                            bool min_p, float target, float* smem, const TreeShape& t) {
+    const float* heap = smem;
+    const int* ties = (const int*)(smem + 2 * t.NG);
+    float* mini = smem + 3 * t.NG; // [2·GS]
+    __shared__ int s_group, s_id;
+    __shared__ float s_target;
+    if (threadIdx.x == 0) {
+        int node = 1;
+        float tg = target;
+        while (node < t.NG) {
+            const float left = heap[2 * node], right = heap[2 * node + 1];
+            if (tg < left || right == 0.0f) node = 2 * node;
+            else { tg -= left; node = 2 * node + 1; }
+        }
+        s_group = node - t.NG;
+        s_target = tg;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const bool any_ties = vstar > NEG_INF && tie_room < 0x7fffffff;
+        float raw[TREE_MAX_G], w[TREE_MAX_G];
+        tree_raw(p, s_group, t, raw);
+        tree_leaves(p, c, zmax, vstar, tie_room, min_p, s_group, t, any_ties ? ties[s_group] : 0, raw, w);
+#pragma unroll
+        for (int j = 0; j < TREE_MAX_G; ++j)
+            if (j < t.G) mini[t.GS + threadIdx.x * t.G + j] = w[j];
+        __syncwarp();
+        if (threadIdx.x == 0) {
+            for (int k = t.GS - 1; k >= 1; --k) mini[k] = mini[2 * k] + mini[2 * k + 1];
+            int node = 1;
+            float tg = s_target;
+            while (node < t.GS) {
+                const float left = mini[2 * node], right = mini[2 * node + 1];
+                if (tg < left || right == 0.0f) node = 2 * node;
+                else { tg -= left; node = 2 * node + 1; }
+            }
+            s_id = s_group * t.GS + node - t.GS;
+        }
+    }
+    __syncthreads();
+    return s_id;
 }
 
 extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const SelectParams p) {
@@ -352,7 +433,11 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     const int nl = min(c.n_logprobs, SEL_MAX_LOGPROBS);
     int got = block_top(raw, nullptr, lo, n, nl, part->raw_ids, part->raw_vals, scratch);
     if (threadIdx.x == 0) part->n_raw = got;
-    if (sampling) {
+    // Candidates (the best z) only for top-k and top-p: plain temperature sampling draws from the
+    // weight tree alone, and the candidates' k block reductions cost ~0.6 ms per token.
+    const bool need_cands = sampling && (c.top_k > 0 || c.top_p < 1.0f);
+    if (!need_cands && threadIdx.x == 0) part->n_cand = 0;
+    if (need_cands) {
         const int kc = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
         got = block_top(zv, nullptr, lo, n, kc, part->cand_ids, part->cand_vals, scratch);
         if (threadIdx.x == 0) part->n_cand = got;
@@ -453,137 +538,114 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         const float u = philox_uniform(c.seed_lo, c.seed_hi, c.step_lo, c.step_hi);
         // merged z candidates (best SEL_MAX_CAND, or top_k)
         const int want = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
-        ncand = NB * SEL_MAX_CAND;
-        for (int k = threadIdx.x; k < ncand; k += blockDim.x) {
-            const int b = k / SEL_MAX_CAND, j = k - b * SEL_MAX_CAND;
-            const bool ok = j < parts[b].n_cand;
-            cv[k] = ok ? parts[b].cand_vals[j] : __int_as_float(0x7fc00000);
-            ci[k] = ok ? parts[b].cand_ids[j] : 0x7fffffff;
-        }
-        __syncthreads();
         __shared__ int k_ids[SEL_MAX_CAND];
         __shared__ float k_vals[SEL_MAX_CAND];
-        int nk = block_top(cv, ci, 0, ncand, want, k_ids, k_vals, scratch); // ranked (z ↓, id ↑)
-        // Full-vocabulary top-p needs the reference's own (sequential) normaliser.
-        const bool topk_mode_all = c.top_k > 0 && c.top_k < g_nfin && c.top_k <= SEL_MAX_CAND;
-        if (!topk_mode_all && c.top_p < 1.0f) {
-            const float t = exact_total(p, c, g_zmax, raw, arr);
-            if (threadIdx.x == 0) g_ztotal = t;
+        int nk = 0;
+        if (need_cands) {
+            ncand = NB * SEL_MAX_CAND;
+            for (int k = threadIdx.x; k < ncand; k += blockDim.x) {
+                const int b = k / SEL_MAX_CAND, j = k - b * SEL_MAX_CAND;
+                const bool ok = j < parts[b].n_cand;
+                cv[k] = ok ? parts[b].cand_vals[j] : __int_as_float(0x7fc00000);
+                ci[k] = ok ? parts[b].cand_ids[j] : 0x7fffffff;
+            }
             __syncthreads();
+            nk = block_top(cv, ci, 0, ncand, want, k_ids, k_vals, scratch); // ranked (z ↓, id ↑)
         }
-        // drop non-finite candidates (kept = finite z)
-        __shared__ int s_token, s_mode;
+        // From here the candidates' shared memory (raw, zv) is the weight tree's.
+        const TreeShape shape = tree_shape(p.V, 2 * arr);
+        // kept = finite z > s_vstar, and of the ids at s_vstar the first s_tie_room in id order: every
+        // finite z, then the top-k (a ranked prefix of the candidates), then the nucleus.
+        __shared__ int s_token, s_mode, s_tie_room;
         __shared__ float s_vstar;
-        __shared__ int s_tie_room;
+        const bool topk_mode = c.top_k > 0 && c.top_k < g_nfin && c.top_k <= SEL_MAX_CAND;
         if (threadIdx.x == 0) {
             int m = 0;
             for (int k = 0; k < nk; ++k)
                 if (k_vals[k] > NEG_INF && k_vals[k] < __int_as_float(0x7f800000)) { k_vals[m] = k_vals[k]; k_ids[m] = k_ids[k]; ++m; }
             nk = m;
-            const bool topk_mode = c.top_k > 0 && c.top_k < g_nfin && c.top_k <= SEL_MAX_CAND;
-            s_mode = 0;
+            s_mode = 0; // 0: draw; 2: the nucleus is larger than the candidates; 3: nothing kept (argmax)
             s_token = -1;
-            if (topk_mode) {
-                // kept = the top_k candidates: replicate the reference exactly on them.
-                const float zmax = k_vals[0];
-                float ids_keep_v[SEL_MAX_CAND];
-                int ids_keep[SEL_MAX_CAND];
-                int nkeep = nk;
-                for (int k = 0; k < nk; ++k) { ids_keep[k] = k_ids[k]; ids_keep_v[k] = k_vals[k]; }
-                if (c.top_p < 1.0f) {
-                    // total in ascending id order
-                    int order[SEL_MAX_CAND];
-                    for (int k = 0; k < nk; ++k) order[k] = k;
-                    for (int a = 1; a < nk; ++a) { int t = order[a], b = a - 1; while (b >= 0 && ids_keep[order[b]] > ids_keep[t]) { order[b + 1] = order[b]; --b; } order[b + 1] = t; }
-                    float total = 0.0f;
-                    for (int k = 0; k < nk; ++k) total += expf(ids_keep_v[order[k]] - zmax);
-                    float cum = 0.0f;
-                    int m2 = 0;
-                    for (int k = 0; k < nk; ++k) { // ranked order
-                        if (cum >= c.top_p) break;
-                        cum += expf(ids_keep_v[k] - zmax) / total;
-                        ++m2;
-                    }
-                    nkeep = m2;
+            s_vstar = NEG_INF;
+            s_tie_room = 0x7fffffff;
+            if (topk_mode) ranked_prefix(k_vals, min(c.top_k, nk), s_vstar, s_tie_room);
+        }
+        __syncthreads();
+        if (c.top_p < 1.0f) {
+            // p = softmax over kept (the reference's normaliser: the weight tree's root), walked by rank
+            const float total = tree_build(p, c, g_zmax, s_vstar, s_tie_room, false, sm, shape);
+            if (threadIdx.x == 0) {
+                g_ztotal = total;
+                const int kept = topk_mode ? min(c.top_k, nk) : g_nfin;
+                const int walk = min(kept, nk);
+                float cum = 0.0f;
+                int m2 = 0;
+                for (; m2 < walk; ++m2) {
+                    if (cum >= c.top_p) break;
+                    cum += expf(k_vals[m2] - g_zmax) / total;
                 }
-                s_token = draw_ranked(ids_keep, ids_keep_v, nkeep, zmax, c.min_p, u);
-            } else {
-                // full vocabulary: top-p threshold from the ranked candidates when the nucleus fits in them
-                s_mode = 1;
-                s_vstar = NEG_INF;
-                s_tie_room = 0x7fffffff;
-                if (c.top_p < 1.0f) {
-                    float cum = 0.0f;
-                    int m2 = 0;
-                    for (; m2 < nk; ++m2) {
-                        if (cum >= c.top_p) break;
-                        cum += expf(k_vals[m2] - g_zmax) / g_ztotal;
-                    }
-                    if (m2 == 0) {
-                        s_mode = 3; // top_p ≤ 0 keeps nothing: the reference falls back to argmax
-                    } else if (cum >= c.top_p || m2 == g_nfin) {
-                        // kept = the ranked prefix of length m2 (all within the candidates)
-                        s_mode = 0;
-                        s_token = draw_ranked(k_ids, k_vals, m2, g_zmax, c.min_p, u);
-                    } else {
-                        s_mode = 2; // nucleus larger than the candidates: bisection below
-                    }
+                if (m2 == 0) s_mode = 3; // top_p ≤ 0 keeps nothing: the reference falls back to argmax
+                else if (cum >= c.top_p || m2 == kept) ranked_prefix(k_vals, m2, s_vstar, s_tie_room);
+                else s_mode = 2; // nucleus larger than the candidates: bisection below
+            }
+            __syncthreads();
+            if (s_mode == 2) {
+                // Find v* = the smallest finite z with mass(z' > v*) < top_p by bisection on ordered keys.
+                __shared__ int s_lo, s_hi;
+                if (threadIdx.x == 0) {
+                    const float lo_v = -3.0e38f;
+                    const float hi_v = k_vals[nk - 1];
+                    s_lo = __float_as_int(lo_v) < 0 ? (int)(0x80000000u - (u32)__float_as_int(lo_v)) : __float_as_int(lo_v);
+                    s_hi = __float_as_int(hi_v) < 0 ? (int)(0x80000000u - (u32)__float_as_int(hi_v)) : __float_as_int(hi_v);
                 }
+                __syncthreads();
+                for (int it = 0; it < 40; ++it) {
+                    const int lo_k = s_lo, hi_k = s_hi;
+                    if ((i64)hi_k - (i64)lo_k <= 1) break;
+                    const int mid = (int)(((i64)lo_k + (i64)hi_k) >> 1);
+                    const float v = mid < 0 ? __int_as_float((int)(0x80000000u - (u32)mid)) : __int_as_float(mid);
+                    float mass = 0.0f;
+#pragma unroll 8
+                    for (int i = threadIdx.x; i < p.V; i += blockDim.x) {
+                        const float z = adjust(p, c, i, logits[i], true);
+                        if (z > v && z < __int_as_float(0x7f800000)) mass += expf(z - g_zmax);
+                    }
+                    mass = block_sum(mass, red) / g_ztotal;
+                    if (threadIdx.x == 0) { if (mass < c.top_p) s_hi = mid; else s_lo = mid; }
+                    __syncthreads();
+                }
+                // v* = the smallest z ≥ key(s_hi)
+                const float thr = s_hi < 0 ? __int_as_float((int)(0x80000000u - (u32)s_hi)) : __int_as_float(s_hi);
+                float vmin = __int_as_float(0x7f800000);
+#pragma unroll 8
+                for (int i = threadIdx.x; i < p.V; i += blockDim.x) {
+                    const float z = adjust(p, c, i, logits[i], true);
+                    if (z >= thr && z < vmin) vmin = z;
+                }
+                vmin = -block_max(-vmin, red);
+                float above = 0.0f;
+#pragma unroll 8
+                for (int i = threadIdx.x; i < p.V; i += blockDim.x) {
+                    const float z = adjust(p, c, i, logits[i], true);
+                    if (z > vmin && z < __int_as_float(0x7f800000)) above += expf(z - g_zmax);
+                }
+                above = block_sum(above, red) / g_ztotal;
+                if (threadIdx.x == 0) {
+                    const float pv = expf(vmin - g_zmax) / g_ztotal;
+                    const float room = (c.top_p - above) / pv;
+                    s_vstar = vmin;
+                    s_tie_room = room > 2.0e9f ? 0x7fffffff : (int)ceilf(room);
+                    if (s_tie_room < 1) s_tie_room = 1;
+                    s_mode = 0;
+                }
+                __syncthreads();
             }
         }
         __syncthreads();
-        if (s_mode == 2) {
-            // Find v* = the smallest finite z with mass(z' > v*) < top_p by bisection on ordered keys.
-            __shared__ int s_lo, s_hi;
-            if (threadIdx.x == 0) {
-                const float lo_v = -3.0e38f;
-                const float hi_v = k_vals[nk - 1];
-                s_lo = __float_as_int(lo_v) < 0 ? (int)(0x80000000u - (u32)__float_as_int(lo_v)) : __float_as_int(lo_v);
-                s_hi = __float_as_int(hi_v) < 0 ? (int)(0x80000000u - (u32)__float_as_int(hi_v)) : __float_as_int(hi_v);
-            }
-            __syncthreads();
-            for (int it = 0; it < 40; ++it) {
-                const int lo_k = s_lo, hi_k = s_hi;
-                if ((i64)hi_k - (i64)lo_k <= 1) break;
-                const int mid = (int)(((i64)lo_k + (i64)hi_k) >> 1);
-                const float v = mid < 0 ? __int_as_float((int)(0x80000000u - (u32)mid)) : __int_as_float(mid);
-                float mass = 0.0f;
-                for (int i = threadIdx.x; i < p.V; i += blockDim.x) {
-                    const float z = adjust(p, c, i, logits[i], true);
-                    if (z > v && z < __int_as_float(0x7f800000)) mass += expf(z - g_zmax);
-                }
-                mass = block_sum(mass, red) / g_ztotal;
-                if (threadIdx.x == 0) { if (mass < c.top_p) s_hi = mid; else s_lo = mid; }
-                __syncthreads();
-            }
-            // v* = the smallest z ≥ key(s_hi)
-            const float thr = s_hi < 0 ? __int_as_float((int)(0x80000000u - (u32)s_hi)) : __int_as_float(s_hi);
-            float vmin = __int_as_float(0x7f800000);
-            for (int i = threadIdx.x; i < p.V; i += blockDim.x) {
-                const float z = adjust(p, c, i, logits[i], true);
-                if (z >= thr && z < vmin) vmin = z;
-            }
-            vmin = -block_max(-vmin, red);
-            float above = 0.0f;
-            for (int i = threadIdx.x; i < p.V; i += blockDim.x) {
-                const float z = adjust(p, c, i, logits[i], true);
-                if (z > vmin && z < __int_as_float(0x7f800000)) above += expf(z - g_zmax);
-            }
-            above = block_sum(above, red) / g_ztotal;
-            if (threadIdx.x == 0) {
-                const float pv = expf(vmin - g_zmax) / g_ztotal;
-                const float room = (c.top_p - above) / pv;
-                s_vstar = vmin;
-                s_tie_room = room > 2.0e9f ? 0x7fffffff : (int)ceilf(room);
-                if (s_tie_room < 1) s_tie_room = 1;
-                s_mode = 1;
-            }
-            __syncthreads();
-        }
-        if (s_mode == 1) {
-            const int r = draw_exact(p, c, g_zmax, s_vstar, s_tie_room, u, raw, (u8*)zv, arr);
+        if (s_mode == 0) {
+            const float total = tree_build(p, c, g_zmax, s_vstar, s_tie_room, c.min_p > 0.0f, sm, shape);
+            const int r = tree_descend(p, c, g_zmax, s_vstar, s_tie_room, c.min_p > 0.0f, u * total, sm, shape);
             if (threadIdx.x == 0) s_token = r;
-            __syncthreads();
         }
         __syncthreads();
         if (s_token >= 0) { token = s_token; sampled = 1; }

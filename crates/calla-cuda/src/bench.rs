@@ -83,6 +83,9 @@ pub struct BenchOptions {
     /// Decode with two steps in flight, as generation does (`Backend::step_pipelined`): the next
     /// step is queued before this one's token is read back. false: one step at a time.
     pub pipelined: bool,
+    /// How decode chooses tokens (greedy by default); sampling draws are keyed by (seed, step), so
+    /// every round still generates the same tokens.
+    pub sampling: SamplingParams,
     /// CudaOptions::prompt_precision (per product group: prompt_precision.rs) and prompt_chunk.
     pub prompt_precision: crate::PromptPrecision,
     pub prompt_chunk: usize,
@@ -131,6 +134,8 @@ pub struct BenchReport {
     /// the weight format; for a checkpoint the formats on the GPU, largest share first
     pub format: String,
     pub kv_cache: String,
+    /// how decode chose its tokens: "greedy", or the sampling settings
+    pub decode_sampling: String,
     pub weight_bytes: usize,
     /// seconds to make (synthetic) or upload (checkpoint) the weights on the GPU
     pub weights_made_s: f64,
@@ -411,7 +416,7 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         ..Default::default()
     };
     let mut be = CudaBackend::from_device_model(gpu.clone(), spec, dev_model, arena, &copts)?;
-    let params = SamplingParams::greedy();
+    let params = opts.sampling.clone();
     let mut rng = calla_rng(opts.seed);
     let prompt: Vec<u32> = (0..opts.prompt_len)
         .map(|_| (rng() % spec.vocab_size as u64) as u32)
@@ -557,6 +562,14 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         source: source.to_string(),
         format,
         kv_cache: format!("{:?}", opts.kv_cache).to_lowercase(),
+        decode_sampling: if opts.sampling.is_greedy() {
+            "greedy".into()
+        } else {
+            format!(
+                "temperature {}, top-p {}, top-k {}",
+                opts.sampling.temperature, opts.sampling.top_p, opts.sampling.top_k
+            )
+        },
         weight_bytes: be.model.bytes,
         weights_made_s,
         checkpoint_load_s: None,
@@ -824,6 +837,7 @@ mod tests {
             seed: 1,
             profile: false,
             pipelined: true,
+            sampling: SamplingParams::greedy(),
             prompt_precision: crate::PromptPrecision::AUTO,
             prompt_chunk: 8192,
         };

@@ -192,12 +192,16 @@ pub fn adjusted_logits(logits: &[f32], sel: &Selection) -> Vec<f32> {
 /// Sampling, exactly (temperature > 0), over z = adjusted_logits / temperature:
 /// 1. kept = ids with finite z.
 /// 2. top-k (0 < k < |kept|): keep the k best by (z descending, id ascending).
-/// 3. top-p (< 1): p = softmax of z over kept (sum in ascending id order); walk kept by (p descending,
-///    id ascending) and keep each id whose preceding cumulative p (f32, in that order) is < top_p.
+/// 3. top-p (< 1): p = softmax of z over kept (the sum in `weight_tree`'s order); walk kept by (p
+///    descending, id ascending) and keep each id whose preceding cumulative p (f32, in that order)
+///    is < top_p.
 /// 4. min-p (> 0): keep ids with exp(z − z_max) ≥ min_p (p ≥ min_p · p_max).
-/// 5. w_i = exp(z_i − z_max) over kept in ascending id order, total = Σ w (f32, that order),
-///    target = uniform(seed, step) · total; the first id whose running sum exceeds target is drawn
-///    (the last kept id if rounding leaves none).
+/// 5. w_i = exp(z_i − z_max) over kept, total = the root of `weight_tree`, target =
+///    uniform(seed, step) · total; the id `tree_draw` lands on is drawn.
+/// The sums are a pairwise tree over the id space, not a running sum in id order: the same f32
+/// values on every backend (exact zeros for the ids not kept change nothing), and a GPU computes them
+/// in parallel, where a sequential sum over 248K ids cost it ~28 ms per token (docs/performance.md,
+/// session 14).
 pub fn select_token(logits: &[f32], sel: &Selection) -> TokenChoice {
     let p = sel.params;
     let lse = log_sum_exp(logits);
@@ -239,8 +243,11 @@ fn sample(adjusted: &[f32], p: &SamplingParams, step: u64) -> Option<u32> {
         .iter()
         .map(|i| z[*i as usize])
         .fold(f32::NEG_INFINITY, f32::max);
+    let weight = |i: u32| (z[i as usize] - z_max).exp();
     if p.top_p < 1.0 {
-        let total: f32 = kept.iter().map(|i| (z[*i as usize] - z_max).exp()).sum();
+        let total = weight_tree(z.len(), &kept, weight)
+            .last()
+            .map_or(0.0, |root| root[0]);
         let mut ranked = kept.clone();
         ranked.sort_unstable_by(by_rank);
         let mut cumulative = 0f32;
@@ -258,20 +265,45 @@ fn sample(adjusted: &[f32], p: &SamplingParams, step: u64) -> Option<u32> {
     if p.min_p > 0.0 {
         kept.retain(|i| (z[*i as usize] - z_max).exp() >= p.min_p);
     }
-    let weights: Vec<f32> = kept
-        .iter()
-        .map(|i| (z[*i as usize] - z_max).exp())
-        .collect();
-    let total: f32 = weights.iter().sum();
-    let target = uniform(p.seed, step) * total;
-    let mut running = 0f32;
-    for (id, w) in kept.iter().zip(&weights) {
-        running += w;
-        if running > target {
-            return Some(*id);
+    if kept.is_empty() {
+        return None;
+    }
+    let tree = weight_tree(z.len(), &kept, weight);
+    let total = tree.last().map_or(0.0, |root| root[0]);
+    Some(tree_draw(&tree, uniform(p.seed, step) * total))
+}
+
+/// The sampling sums' order, shared by every backend: leaf i is `weight(i)` for the ids in `kept`
+/// and 0 for the others, padded with zeros to a power of two ≥ `n_ids`; each node is its left
+/// child + its right child (f32). Returns the levels, leaves first, the root (the total) last.
+pub fn weight_tree(n_ids: usize, kept: &[u32], weight: impl Fn(u32) -> f32) -> Vec<Vec<f32>> {
+    let mut level = vec![0f32; n_ids.next_power_of_two().max(1)];
+    for &id in kept {
+        level[id as usize] = weight(id);
+    }
+    let mut levels = vec![level];
+    while let Some(last) = levels.last().filter(|l| l.len() > 1) {
+        let next = last.chunks(2).map(|pair| pair[0] + pair[1]).collect();
+        levels.push(next);
+    }
+    levels
+}
+
+/// The id a draw of `target` (in [0, total)) lands on: from the root, into the left child while the
+/// target is below its sum or the right child is empty, else into the right child with the left's
+/// sum taken off (f32). Every node taken has a positive sum, so the leaf is a kept id.
+pub fn tree_draw(levels: &[Vec<f32>], mut target: f32) -> u32 {
+    let mut node = 0usize;
+    for level in levels[..levels.len() - 1].iter().rev() {
+        let (left, right) = (level[2 * node], level[2 * node + 1]);
+        if target < left || right == 0.0 {
+            node *= 2;
+        } else {
+            target -= left;
+            node = 2 * node + 1;
         }
     }
-    kept.last().copied()
+    node as u32
 }
 
 #[cfg(test)]

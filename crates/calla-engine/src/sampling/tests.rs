@@ -298,3 +298,56 @@ fn property_drawn_token_survives_truncation() {
         assert!((c.logprob as f64 - (logits[c.token as usize] as f64 - lse)).abs() < 1e-4);
     }
 }
+
+#[test]
+fn weight_tree_draws_land_where_the_running_sum_says() {
+    // Sparse kept ids over a non-power-of-two id space; weights of very different sizes.
+    let n = 1000;
+    let kept: Vec<u32> = vec![3, 4, 17, 255, 256, 511, 700, 999];
+    let w = |i: u32| 0.5 + (i % 7) as f32 * 0.25 + if i == 256 { 40.0 } else { 0.0 };
+    let tree = weight_tree(n, &kept, w);
+    assert_eq!(tree[0].len(), 1024);
+    assert_eq!(tree.last().unwrap().len(), 1);
+    // every node is the sum of its children, exactly
+    for l in 1..tree.len() {
+        for (k, v) in tree[l].iter().enumerate() {
+            assert_eq!(
+                v.to_bits(),
+                (tree[l - 1][2 * k] + tree[l - 1][2 * k + 1]).to_bits()
+            );
+        }
+    }
+    let total = tree.last().unwrap()[0];
+    let exact: f64 = kept.iter().map(|i| w(*i) as f64).sum();
+    assert!((total as f64 - exact).abs() < 1e-4 * exact);
+    // Away from boundaries the draw is the first id whose running sum (f64) exceeds the target.
+    let mut rng = Rng(11);
+    for _ in 0..2000 {
+        let u = (rng.next() >> 40) as f32 / (1u64 << 24) as f32;
+        let target = u * total;
+        let got = tree_draw(&tree, target);
+        assert!(kept.contains(&got), "drew {got}, not kept");
+        let mut run = 0f64;
+        let want = kept
+            .iter()
+            .find(|i| {
+                run += w(**i) as f64;
+                run > target as f64
+            })
+            .copied()
+            .unwrap_or(999);
+        let near = kept.iter().scan(0f64, |r, i| {
+            *r += w(*i) as f64;
+            Some(*r)
+        });
+        let boundary = near
+            .map(|b| (b - target as f64).abs())
+            .fold(f64::MAX, f64::min);
+        if boundary > 1e-3 {
+            assert_eq!(got, want, "target {target}");
+        }
+    }
+    // the last id is reachable and a target of 0 lands on the first kept id
+    assert_eq!(tree_draw(&tree, 0.0), 3);
+    assert_eq!(tree_draw(&tree, total * 0.999_999), 999);
+}
