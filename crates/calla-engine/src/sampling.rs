@@ -198,6 +198,7 @@ pub fn adjusted_logits(logits: &[f32], sel: &Selection) -> Vec<f32> {
 /// 4. min-p (> 0): keep ids with exp(z − z_max) ≥ min_p (p ≥ min_p · p_max).
 /// 5. w_i = exp(z_i − z_max) over kept, total = the root of `weight_tree`, target =
 ///    uniform(seed, step) · total; the id `tree_draw` lands on is drawn.
+///
 /// The sums are a pairwise tree over the id space, not a running sum in id order: the same f32
 /// values on every backend (exact zeros for the ids not kept change nothing), and a GPU computes them
 /// in parallel, where a sequential sum over 248K ids cost it ~28 ms per token (docs/performance.md,
