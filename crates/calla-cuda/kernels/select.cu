@@ -344,6 +344,61 @@ __device__ int tree_descend(const SelectParams& p, const SelectConfig& c, float 
     return s_id;
 }
 
+// The same tree over a kept set of at most SEL_MAX_CAND ids given in rank order (z ↓, id ↑): the
+// top-k, or a nucleus inside the candidates. Adding an exact zero changes nothing, so a node with one
+// kept subtree has that subtree's value and the sparse tree's sums are the dense tree's. Thread 0:
+// the kept (id, w) sorted by id, then each level's nodes bottom-up, (node, sum) pairs in `ws`
+// (levels·n pairs: the caller checks it fits). Returns the root; `draw` ≥ 0: the id tree_draw lands
+// on for target u·root in *drawn.
+#define SPARSE_MAX_LEVELS 24
+__device__ float sparse_tree(const int* ids, const float* z, int n, float zmax, float min_p, int V, float* ws,
+                             float u, int* drawn) {
+    int levels = 0;
+    while ((1 << levels) < V) ++levels;
+    int* node = (int*)ws;
+    float* sum = ws + (levels + 1) * SEL_MAX_CAND;
+    // level 0: the kept ids ascending, with their weights (min-p drops, as a zero leaf would)
+    int m = 0;
+    for (int k = 0; k < n; ++k) {
+        const float w = expf(z[k] - zmax);
+        if (min_p > 0.0f && !(w >= min_p)) continue;
+        int at = m++;
+        while (at > 0 && node[at - 1] > ids[k]) { node[at] = node[at - 1]; sum[at] = sum[at - 1]; --at; }
+        node[at] = ids[k];
+        sum[at] = w;
+    }
+    if (m == 0) { *drawn = -1; return 0.0f; }
+    int off[SPARSE_MAX_LEVELS + 1], cnt[SPARSE_MAX_LEVELS + 1];
+    off[0] = 0;
+    cnt[0] = m;
+    for (int l = 0; l < levels; ++l) { // parents of level l's nodes
+        const int o = off[l], c = cnt[l], po = o + SEL_MAX_CAND;
+        int pc = 0;
+        for (int k = 0; k < c; ++k) {
+            const int parent = node[o + k] >> 1;
+            if (pc > 0 && node[po + pc - 1] == parent) sum[po + pc - 1] = sum[po + pc - 1] + sum[o + k]; // left + right
+            else { node[po + pc] = parent; sum[po + pc] = sum[o + k]; ++pc; }
+        }
+        off[l + 1] = po;
+        cnt[l + 1] = pc;
+    }
+    const float root = sum[off[levels]];
+    float t = u * root;
+    int nd = 0;
+    for (int l = levels; l > 0; --l) { // children of nd at level l − 1
+        float left = 0.0f, right = 0.0f;
+        for (int k = 0; k < cnt[l - 1]; ++k) {
+            const int ch = node[off[l - 1] + k];
+            if (ch == 2 * nd) left = sum[off[l - 1] + k];
+            else if (ch == 2 * nd + 1) right = sum[off[l - 1] + k];
+        }
+        if (t < left || right == 0.0f) nd = 2 * nd;
+        else { t -= left; nd = 2 * nd + 1; }
+    }
+    *drawn = nd;
+    return root;
+}
+
 extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const SelectParams p) {
     extern __shared__ float sm[];
     // two arrays of `arr` floats: a block's values, then the merged candidates / draw tiles
@@ -556,8 +611,13 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         const TreeShape shape = tree_shape(p.V, 2 * arr);
         // kept = finite z > s_vstar, and of the ids at s_vstar the first s_tie_room in id order: every
         // finite z, then the top-k (a ranked prefix of the candidates), then the nucleus.
-        __shared__ int s_token, s_mode, s_tie_room;
+        __shared__ int s_token, s_mode, s_tie_room, s_prefix;
         __shared__ float s_vstar;
+        // A kept set that is a ranked prefix of the candidates (s_prefix ids) is summed sparsely by
+        // thread 0 when its levels fit the shared memory; otherwise with the whole block.
+        int levels = 0;
+        while ((1 << levels) < p.V) ++levels;
+        const bool sparse_fits = levels <= SPARSE_MAX_LEVELS && 2 * (levels + 1) * SEL_MAX_CAND <= 2 * arr;
         const bool topk_mode = c.top_k > 0 && c.top_k < g_nfin && c.top_k <= SEL_MAX_CAND;
         if (threadIdx.x == 0) {
             int m = 0;
@@ -568,12 +628,24 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
             s_token = -1;
             s_vstar = NEG_INF;
             s_tie_room = 0x7fffffff;
-            if (topk_mode) ranked_prefix(k_vals, min(c.top_k, nk), s_vstar, s_tie_room);
+            s_prefix = 0;
+            if (topk_mode) {
+                s_prefix = min(c.top_k, nk);
+                ranked_prefix(k_vals, s_prefix, s_vstar, s_tie_room);
+            }
         }
         __syncthreads();
         if (c.top_p < 1.0f) {
             // p = softmax over kept (the reference's normaliser: the weight tree's root), walked by rank
-            const float total = tree_build(p, c, g_zmax, s_vstar, s_tie_room, false, sm, shape);
+            float total = 0.0f;
+            if (s_prefix > 0 && sparse_fits) {
+                if (threadIdx.x == 0) {
+                    int unused;
+                    total = sparse_tree(k_ids, k_vals, s_prefix, g_zmax, 0.0f, p.V, sm, 0.0f, &unused);
+                }
+            } else {
+                total = tree_build(p, c, g_zmax, s_vstar, s_tie_room, false, sm, shape);
+            }
             if (threadIdx.x == 0) {
                 g_ztotal = total;
                 const int kept = topk_mode ? min(c.top_k, nk) : g_nfin;
@@ -585,8 +657,13 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
                     cum += expf(k_vals[m2] - g_zmax) / total;
                 }
                 if (m2 == 0) s_mode = 3; // top_p ≤ 0 keeps nothing: the reference falls back to argmax
-                else if (cum >= c.top_p || m2 == kept) ranked_prefix(k_vals, m2, s_vstar, s_tie_room);
-                else s_mode = 2; // nucleus larger than the candidates: bisection below
+                else if (cum >= c.top_p || m2 == kept) {
+                    s_prefix = m2;
+                    ranked_prefix(k_vals, m2, s_vstar, s_tie_room);
+                } else {
+                    s_prefix = 0;
+                    s_mode = 2; // nucleus larger than the candidates: bisection below
+                }
             }
             __syncthreads();
             if (s_mode == 2) {
@@ -642,7 +719,13 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
             }
         }
         __syncthreads();
-        if (s_mode == 0) {
+        if (s_mode == 0 && s_prefix > 0 && sparse_fits) {
+            if (threadIdx.x == 0) {
+                int r;
+                sparse_tree(k_ids, k_vals, s_prefix, g_zmax, c.min_p, p.V, sm, u, &r);
+                s_token = r;
+            }
+        } else if (s_mode == 0) {
             const float total = tree_build(p, c, g_zmax, s_vstar, s_tie_room, c.min_p > 0.0f, sm, shape);
             const int r = tree_descend(p, c, g_zmax, s_vstar, s_tie_room, c.min_p > 0.0f, u * total, sm, shape);
             if (threadIdx.x == 0) s_token = r;
