@@ -93,6 +93,24 @@ pub struct PenaltyParams {
     pub pad: i32,
 }
 
+/// Floats in each of select.cu's two shared arrays (`arr` there).
+fn shared_floats(chunk: usize, blocks: usize) -> usize {
+    chunk
+        .max(blocks * MAX_CANDIDATES)
+        .max(blocks * MAX_LOGPROBS)
+        .max(THREADS as usize + 1)
+}
+
+/// Whether select.cu's `tree_shape` finds groups of 32·G ids, G ≤ TREE_MAX_G (8), whose heap, tie
+/// counts and one group's subtree fit `words` floats of shared memory.
+fn weight_tree_fits(vocab: usize, words: usize) -> bool {
+    let n = vocab.next_power_of_two();
+    (0..4).map(|k| 1usize << k).any(|g| {
+        let (gs, ng) = (32 * g, (n / (32 * g)).max(1));
+        3 * ng + 2 * gs <= words || ng == 1
+    })
+}
+
 /// The device buffers of token selection, and host mirrors of what they hold (so uploads happen
 /// only when a request's settings change).
 pub struct Selector {
@@ -119,6 +137,10 @@ impl Selector {
     pub fn new(arena: &mut Arena, vocab: usize, max_ids: usize) -> Result<Selector> {
         let blocks = vocab.div_ceil(1024).clamp(1, MAX_BLOCKS);
         let chunk = vocab.div_ceil(blocks);
+        ensure!(
+            weight_tree_fits(vocab, 2 * shared_floats(chunk, blocks)),
+            "a vocabulary of {vocab} is too large for the CUDA sampler's weight tree"
+        );
         Ok(Selector {
             vocab,
             config: arena.alloc_zeroed(std::mem::size_of::<SelectConfig>())?,
@@ -140,12 +162,7 @@ impl Selector {
 
     /// Shared memory: two arrays of max(chunk, merged candidates, threads + 1) floats.
     fn smem(&self) -> usize {
-        let n = self
-            .chunk
-            .max(self.blocks * MAX_CANDIDATES)
-            .max(self.blocks * MAX_LOGPROBS)
-            .max(THREADS as usize + 1);
-        2 * n * 4
+        2 * shared_floats(self.chunk, self.blocks) * 4
     }
 
     /// The selection launch: reads logits [V], writes the result (also into `result_host`'s slot
@@ -329,5 +346,23 @@ impl Selector {
                 .map(|i| (r.top_ids[i] as u32, r.top_logprobs[i]))
                 .collect(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_weight_tree_fits_the_family_vocabularies_and_refuses_huge_ones() {
+        for vocab in [2usize, 512, 1000, 151_936, 248_320, 1 << 19] {
+            let blocks = vocab.div_ceil(1024).clamp(1, MAX_BLOCKS);
+            let chunk = vocab.div_ceil(blocks);
+            assert!(
+                weight_tree_fits(vocab, 2 * shared_floats(chunk, blocks)),
+                "{vocab}"
+            );
+        }
+        assert!(!weight_tree_fits(1 << 24, 2 * 4096));
     }
 }
