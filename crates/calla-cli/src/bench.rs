@@ -298,7 +298,7 @@ fn print_table(r: &BenchReport) {
     println!(
         "decode step {} launches, one CUDA graph; {}",
         r.launches_per_token,
-        if r.decode.iter().all(|d| d.pipelined) {
+        if r.decode_pipelined {
             "two steps in flight (the next queued before a token is read)"
         } else {
             "one step at a time (--no-pipeline)"

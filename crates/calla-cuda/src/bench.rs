@@ -111,9 +111,9 @@ pub struct DecodeResult {
     pub context: usize,
     pub tokens: usize,
     /// median over rounds of (time for `tokens` steps) / tokens; every token is read back as it is
-    /// chosen (as a streaming server does), with the next step already queued (`pipelined`) or not
+    /// chosen (as a streaming server does), with the next step already queued (BenchReport's
+    /// `decode_pipelined`) or not
     pub ms_per_token: f64,
-    pub pipelined: bool,
     pub tokens_per_s: f64,
     pub bytes_per_token: f64,
     pub achieved_gb_s: f64,
@@ -136,6 +136,8 @@ pub struct BenchReport {
     pub kv_cache: String,
     /// how decode chose its tokens: "greedy", or the sampling settings
     pub decode_sampling: String,
+    /// decode with two steps in flight (BenchOptions::pipelined)
+    pub decode_pipelined: bool,
     pub weight_bytes: usize,
     /// seconds to make (synthetic) or upload (checkpoint) the weights on the GPU
     pub weights_made_s: f64,
@@ -511,7 +513,6 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
             context,
             tokens: opts.gen_len,
             ms_per_token: s * 1e3,
-            pipelined: opts.pipelined,
             tokens_per_s: 1.0 / s,
             bytes_per_token: bytes,
             achieved_gb_s: gb_s,
@@ -562,6 +563,7 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         source: source.to_string(),
         format,
         kv_cache: format!("{:?}", opts.kv_cache).to_lowercase(),
+        decode_pipelined: opts.pipelined,
         decode_sampling: if opts.sampling.is_greedy() {
             "greedy".into()
         } else {
