@@ -66,7 +66,11 @@ struct SelectParams {
                      // result is also written to slot pos & 1 (the position the token was chosen at),
                      // so the host reads it when the step's event completes, with no copy queued
                      // between two decode steps in flight
-    int V, chunk, advance, pad;
+    u64 grid;        // sub_log2 > 0: u64 barrier arrivals (monotonic), then SEL_GRID_ROWS rows of gridDim.x
+                     // floats from byte 16 (the sampling phases' per-block values)
+    int V, chunk, advance;
+    int sub_log2;    // > 0: a sampled token is drawn by the whole grid, subtrees of 2^sub_log2 ids (256 ≤
+                     // 2^sub_log2 ≤ 16·256, the subtrees ≤ gridDim.x; every block resident at once)
 };
 
 // ---------------------------------------------------------------- philox4x32-10
@@ -105,44 +109,107 @@ __device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
 
 struct Best { float v; int i; };
 
-// Block-wide best of (vals[k], ids[k]) for k = tid, tid + blockDim, … < n; all threads get it.
-__device__ __forceinline__ Best block_best(const float* vals, const int* ids, int id_base, int n, Best* scratch) {
-    Best b = {__int_as_float(0x7fc00000), 0x7fffffff};
-    for (int k = threadIdx.x; k < n; k += blockDim.x) {
-        const int id = ids ? ids[k] : id_base + k;
-        if (better(vals[k], id, b.v, b.i)) { b.v = vals[k]; b.i = id; }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, b.v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, b.i, o);
-        if (better(ov, oi, b.v, b.i)) { b.v = ov; b.i = oi; }
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    __syncthreads();
-    if (lane == 0) scratch[warp] = b;
-    __syncthreads();
-    Best r = scratch[0];
-    for (int w = 1; w < nw; ++w)
-        if (better(scratch[w].v, scratch[w].i, r.v, r.i)) r = scratch[w];
-    return r;
+// ---------------------------------------------------------------- the best W by radix select
+// A key per (value, id) that orders as (value ↓, id ↑) and is distinct for distinct ids: the value's
+// order-preserving bits above, the id's complement below.
+__device__ __forceinline__ u64 rank_key(float v, int id) {
+    const u32 b = __float_as_uint(v);
+    const u32 o = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)o << 32) | (u64)(0xFFFFFFFFu - (u32)id);
 }
 
-// Take the best n of vals (marking them NaN); write ids/values to out. Returns how many were found.
-__device__ int block_top(float* vals, const int* ids, int id_base, int count, int n, int* out_ids, float* out_vals,
-                         Best* scratch) {
-    int taken = 0;
-    for (int k = 0; k < n && k < count; ++k) {
-        const Best b = block_best(vals, ids, id_base, count, scratch);
-        if (b.v != b.v) break;
-        if (threadIdx.x == 0) { out_ids[k] = b.i; out_vals[k] = b.v; }
-        // mark it taken (the thread that owns it)
-        for (int j = threadIdx.x; j < count; j += blockDim.x)
-            if ((ids ? ids[j] : id_base + j) == b.i) vals[j] = __int_as_float(0x7fc00000);
-        ++taken;
+// The best W (≤ SEL_MAX_CAND) of vals[k] for k < count (id ids[k], or id_base + k; NaN never) by
+// (value ↓, id ↑), ranked into out_ids / out_vals; returns how many (W, or fewer non-NaN). Every
+// thread of the block calls. A radix select on rank_key, 8 bits per pass from the top, ends at the
+// first pass whose chosen bucket is taken whole (distinct keys: ≤ 8 passes, ~3 for real values);
+// the chosen are those whose key, masked to the digits decided, is ≥ the decided prefix, and a rank
+// count orders them. The same set and order as W rounds of a block-wide best, which this replaced:
+// a block reduction per round, ~0.1 ms for 64 candidates (docs/performance.md, session 15).
+__device__ int block_top_radix(const float* vals, const int* ids, int id_base, int count, int W, int* out_ids,
+                               float* out_vals) {
+    __shared__ int hist[256];
+    __shared__ u64 s_prefix, s_mask;
+    __shared__ int s_need, s_done, s_n;
+    __shared__ u64 c_key[SEL_MAX_CAND];
+    __shared__ float c_val[SEL_MAX_CAND];
+    __shared__ int c_id[SEL_MAX_CAND];
+    const int tid = threadIdx.x, lane = tid & 31;
+    W = min(W, SEL_MAX_CAND);
+    if (W <= 0 || count <= 0) return 0; // uniform
+    __syncthreads(); // the shared state below may still be read from a previous call
+    if (tid == 0) s_n = 0;
+    __syncthreads();
+    int nv = 0;
+    for (int k = tid; k < count; k += blockDim.x) nv += vals[k] == vals[k] ? 1 : 0;
+    if (nv) atomicAdd(&s_n, nv);
+    __syncthreads();
+    if (tid == 0) {
+        s_prefix = 0;
+        s_mask = 0;
+        s_need = min(W, s_n);
+        s_done = s_n <= W;
+    }
+    __syncthreads();
+    for (int shift = 56; shift >= 0 && !s_done; shift -= 8) {
+        for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const u64 prefix = s_prefix, mask = s_mask;
+        for (int k = tid; k < count; k += blockDim.x) {
+            const float v = vals[k];
+            if (v != v) continue;
+            const u64 key = rank_key(v, ids ? ids[k] : id_base + k);
+            if ((key & mask) == prefix) atomicAdd(&hist[(int)(key >> shift) & 255], 1);
+        }
+        __syncthreads();
+        if (tid < 32) { // lane l holds digits 8l..8l+7; the chosen digit d: above(d) < need ≤ above(d) + h[d]
+            int h[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) { h[j] = hist[8 * lane + j]; sum += h[j]; }
+            int incl = sum; // Σ over lanes ≥ this one
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_down_sync(0xffffffffu, incl, o);
+                if (lane + o < 32) incl += v;
+            }
+            int above = incl - sum;
+            const int need = s_need;
+#pragma unroll
+            for (int j = 7; j >= 0; --j) {
+                if (above < need && need <= above + h[j]) {
+                    s_prefix = prefix | ((u64)(8 * lane + j) << shift);
+                    s_mask = mask | (255ull << shift);
+                    s_need = need - above;
+                    s_done = h[j] == need - above;
+                }
+                above += h[j];
+            }
+        }
         __syncthreads();
     }
-    return taken;
+    const u64 prefix = s_prefix, mask = s_mask;
+    __syncthreads();
+    if (tid == 0) s_n = 0;
+    __syncthreads();
+    for (int k = tid; k < count; k += blockDim.x) {
+        const float v = vals[k];
+        if (v != v) continue;
+        const int id = ids ? ids[k] : id_base + k;
+        const u64 key = rank_key(v, id);
+        if ((key & mask) >= prefix) {
+            const int slot = atomicAdd(&s_n, 1);
+            if (slot < SEL_MAX_CAND) { c_key[slot] = key; c_val[slot] = v; c_id[slot] = id; }
+        }
+    }
+    __syncthreads();
+    const int m = min(s_n, W);
+    for (int j = tid; j < m; j += blockDim.x) {
+        int rank = 0;
+        for (int i = 0; i < m; ++i) rank += c_key[i] > c_key[j] ? 1 : 0;
+        out_ids[rank] = c_id[j];
+        out_vals[rank] = c_val[j];
+    }
+    __syncthreads();
+    return m;
 }
 
 // ---------------------------------------------------------------- sampling: the weight tree
@@ -399,13 +466,205 @@ __device__ float sparse_tree(const int* ids, const float* z, int n, float zmax, 
     return root;
 }
 
+// ---------------------------------------------------------------- sampling on the whole grid
+// With SelectParams.sub_log2 > 0 a sampled token is drawn by every block of the launch, not by the
+// last one alone (which took ~0.35 ms over the 248K ids at temperature 1, ~10 ms for a nucleus beyond
+// the candidates: docs/performance.md, session 15). The weight tree's N leaves are NSUB = N / S
+// subtrees of S = 2^sub_log2 ids; block b < NSUB owns subtree b, its thread t the SUB_L = S / 256
+// consecutive ids from b·S + t·SUB_L (so a subtree's pairwise sums are: in the thread, across lanes
+// by xor shuffles, across the 8 warps in shared memory: the reference's nodes exactly). The phases,
+// separated by grid barriers (every block of the launch is resident: the launcher checks):
+//   1. every block has written its partial (as without); each reads every partial's z max;
+//   2. top-k / top-p: each block merges the candidates itself (the same ranked list in every block);
+//   3. top-p: each subtree's root over the kept set → the total (the top of the tree, in every block),
+//      the walk over the ranked candidates; beyond them the nucleus's bound by bisection, one barrier
+//      per step (each block sums its subtree, the sums added in block order);
+//   4. each subtree's root over the final kept set; the last block to arrive (the ticket of the
+//      selection) descends the top of the tree to a subtree, recomputes that subtree's leaves and
+//      descends it.
+// Every block takes every decision from the same values, so all take the same path and barriers.
+#define SEL_SUB_L_MAX 16 // leaves per thread: S ≤ 16·256
+#define SEL_GRID_ROW_TOTAL 0
+#define SEL_GRID_ROW_BISECT 1 // 40 rows
+#define SEL_GRID_ROW_VMIN 41
+#define SEL_GRID_ROW_ABOVE 42
+#define SEL_GRID_ROW_TIES 43
+#define SEL_GRID_ROW_FINAL 44
+#define SEL_GRID_ROWS 45 // rows of gridDim.x floats after the barrier's counter (select.rs GRID_ROWS)
+
+__device__ __forceinline__ float* sel_grid_row(const SelectParams& p, int row) {
+    return (float*)(p.grid + 16) + (i64)row * gridDim.x;
+}
+// Every block of the launch: the writes before it are visible to every block after it (read them
+// with ld.cg: L1 is not coherent). The counter is monotonic: exactly gridDim.x arrivals per barrier.
+__device__ __forceinline__ void sel_grid_sync(const SelectParams& p) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        u64 old;
+        asm volatile("atom.add.acq_rel.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(p.grid) : "memory");
+        wait_until_at_least(p.grid, (old / gridDim.x + 1) * gridDim.x);
+    }
+    __syncthreads();
+}
+
+// Which ids are kept, as tree_leaves decides: finite z ≥ vstar, where of the ids at vstar
+//   tie_mode 0: all; 1: those listed (the ranked prefix's ids at vstar); 2: the first tie_room in id
+//   order (ties_before of them in the subtrees before this one);
+// then with min_p > 0 only w = exp(z − zmax) ≥ min_p.
+struct KeepRule {
+    float zmax, vstar, min_p;
+    int tie_mode, tie_room, ties_before;
+    const int* listed; // tie_mode 1: n_listed ids (shared memory)
+    int n_listed;
+};
+
+// This thread's SUB_L z values of subtree sb (ids past V: −inf, a zero leaf).
+__device__ __forceinline__ void sub_load_z(const SelectParams& p, const SelectConfig& c, int sb, int L,
+                                           float (&z)[SEL_SUB_L_MAX]) {
+    const int first = sb * L * (int)blockDim.x + (int)threadIdx.x * L;
+    const float* logits = (const float*)p.logits;
+    float raw[SEL_SUB_L_MAX];
+#pragma unroll
+    for (int j = 0; j < SEL_SUB_L_MAX; ++j) raw[j] = j < L && first + j < p.V ? __ldcg(logits + first + j) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < SEL_SUB_L_MAX; ++j)
+        z[j] = j < L && first + j < p.V ? adjust(p, c, first + j, sanitise(raw[j]), true) : NEG_INF;
+}
+
+// Block-wide exclusive prefix of v in thread order; `tot` gets the block's total.
+__device__ __forceinline__ int block_exclusive_scan(int v, int& tot) {
+    __shared__ int warp_tot[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+    }
+    __syncthreads();
+    if (lane == 31) warp_tot[warp] = incl;
+    __syncthreads();
+    int before = 0;
+    tot = 0;
+    for (int w = 0; w < nw; ++w) {
+        before += w < warp ? warp_tot[w] : 0;
+        tot += warp_tot[w];
+    }
+    return before + incl - v;
+}
+
+// The leaves of this thread's ids (first, first + 1, …) under rule r. Every thread calls (tie ranks).
+__device__ __forceinline__ void sub_leaves(const float (&z)[SEL_SUB_L_MAX], int first, int L, const KeepRule& r,
+                                           float (&w)[SEL_SUB_L_MAX]) {
+    bool tie[SEL_SUB_L_MAX];
+    int my_ties = 0;
+#pragma unroll
+    for (int j = 0; j < SEL_SUB_L_MAX; ++j) {
+        w[j] = 0.0f;
+        tie[j] = false;
+        if (j < L && z[j] > NEG_INF && z[j] < __int_as_float(0x7f800000) && z[j] >= r.vstar) {
+            w[j] = expf(z[j] - r.zmax);
+            tie[j] = z[j] == r.vstar;
+            my_ties += tie[j] ? 1 : 0;
+        }
+    }
+    int rank = 0;
+    if (r.tie_mode == 2) { // uniform
+        int tot;
+        rank = r.ties_before + block_exclusive_scan(my_ties, tot);
+    }
+#pragma unroll
+    for (int j = 0; j < SEL_SUB_L_MAX; ++j) {
+        if (tie[j]) {
+            bool keep = true;
+            if (r.tie_mode == 1) {
+                keep = false;
+                for (int k = 0; k < r.n_listed; ++k) keep |= r.listed[k] == first + j;
+            } else if (r.tie_mode == 2) {
+                keep = rank++ < r.tie_room;
+            }
+            if (!keep) w[j] = 0.0f;
+        }
+        if (r.min_p > 0.0f && w[j] > 0.0f && !(w[j] >= r.min_p)) w[j] = 0.0f;
+    }
+}
+
+// The subtree's root (every thread gets it): the thread's leaves pairwise, the lanes by xor shuffles,
+// the 8 warps' nodes pairwise.
+__device__ __forceinline__ float sub_root(float (&w)[SEL_SUB_L_MAX], int L) {
+    __shared__ float warp_node[SEL_THREADS / 32];
+#pragma unroll
+    for (int s = 1; s < SEL_SUB_L_MAX; s <<= 1)
+#pragma unroll
+        for (int j = 0; j + s < SEL_SUB_L_MAX; j += 2 * s)
+            if (s < L) w[j] += w[j + s];
+    float v = w[0];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) warp_node[threadIdx.x >> 5] = v;
+    __syncthreads();
+    return ((warp_node[0] + warp_node[1]) + (warp_node[2] + warp_node[3])) +
+           ((warp_node[4] + warp_node[5]) + (warp_node[6] + warp_node[7]));
+}
+
+// The top of the tree over the NSUB subtree roots in row `row`, into heap[1 .. 2·NSUB) (heap[NSUB + b]
+// = root b; shared memory); returns the total (every thread).
+__device__ __forceinline__ float grid_top(const SelectParams& p, int row, int nsub, float* heap) {
+    const float* roots = sel_grid_row(p, row);
+    for (int b = threadIdx.x; b < nsub; b += blockDim.x) heap[nsub + b] = __ldcg(roots + b);
+    __syncthreads();
+    for (int half = nsub / 2; half >= 1; half >>= 1) {
+        for (int k = half + threadIdx.x; k < 2 * half; k += blockDim.x) heap[k] = heap[2 * k] + heap[2 * k + 1];
+        __syncthreads();
+    }
+    const float total = heap[1];
+    __syncthreads();
+    return total;
+}
+
+// Σ over blocks b < nsub of row[b] in a fixed order (warp 0: lane-strided, then xor shuffles);
+// every thread gets it.
+__device__ __forceinline__ float grid_row_sum(const SelectParams& p, int row, int nsub) {
+    __shared__ float s_sum;
+    if (threadIdx.x < 32) {
+        const float* r = sel_grid_row(p, row);
+        float v = 0.0f;
+        for (int b = threadIdx.x; b < nsub; b += 32) v += __ldcg(r + b);
+        v = warp_sum(v);
+        if (threadIdx.x == 0) s_sum = v;
+    }
+    __syncthreads();
+    const float s = s_sum;
+    __syncthreads();
+    return s;
+}
+
+// The ids at the nucleus's bound in the subtrees before sb (row SEL_GRID_ROW_TIES; exact counts).
+__device__ __forceinline__ int sel_ties_before(const SelectParams& p, int sb) {
+    __shared__ int s_before;
+    if (threadIdx.x < 32) {
+        const float* r = sel_grid_row(p, SEL_GRID_ROW_TIES);
+        int n = 0;
+        for (int b = threadIdx.x; b < sb; b += 32) n += (int)__ldcg(r + b);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
+        if (threadIdx.x == 0) s_before = n;
+    }
+    __syncthreads();
+    const int n = s_before;
+    __syncthreads();
+    return n;
+}
+
 extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const SelectParams p) {
     extern __shared__ float sm[];
     // two arrays of `arr` floats: a block's values, then the merged candidates / draw tiles
-    const int arr = max(max(p.chunk, (int)gridDim.x * SEL_MAX_CAND), max((int)gridDim.x * SEL_MAX_LOGPROBS, (int)blockDim.x + 1));
+    const int arr = max(max(max(p.chunk, (int)gridDim.x * SEL_MAX_CAND), max((int)gridDim.x * SEL_MAX_LOGPROBS, (int)blockDim.x + 1)),
+                        p.sub_log2 > 0 ? 1 << p.sub_log2 : 0);
     float* raw = sm;       // [arr]
     float* zv = sm + arr;  // [arr]
-    __shared__ Best scratch[32];
     __shared__ float red[32];
     const SelectConfig c = *(const SelectConfig*)p.config;
     const bool sampling = c.temperature > 0.0f;
@@ -415,7 +674,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
 
     // ---- per-block partials
     float rmax = NEG_INF;
-    Best zb = {__int_as_float(0x7fc00000), 0x7fffffff}; // this thread's best z, in k order (as block_best)
+    Best zb = {__int_as_float(0x7fc00000), 0x7fffffff}; // this thread's best z, in k order
     int nfin = 0;
     auto take = [&](int k, float logit) {
         const float r = sanitise(logit);
@@ -486,7 +745,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         part->raw_at_arg = zb.i >= lo && zb.i < lo + n ? raw[zb.i - lo] : __int_as_float(0x7fc00000);
     }
     const int nl = min(c.n_logprobs, SEL_MAX_LOGPROBS);
-    int got = block_top(raw, nullptr, lo, n, nl, part->raw_ids, part->raw_vals, scratch);
+    int got = block_top_radix(raw, nullptr, lo, n, nl, part->raw_ids, part->raw_vals);
     if (threadIdx.x == 0) part->n_raw = got;
     // Candidates (the best z) only for top-k and top-p: plain temperature sampling draws from the
     // weight tree alone, and the candidates' k block reductions cost ~0.6 ms per token.
@@ -494,12 +753,259 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     if (!need_cands && threadIdx.x == 0) part->n_cand = 0;
     if (need_cands) {
         const int kc = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
-        got = block_top(zv, nullptr, lo, n, kc, part->cand_ids, part->cand_vals, scratch);
+        got = block_top_radix(zv, nullptr, lo, n, kc, part->cand_ids, part->cand_vals);
         if (threadIdx.x == 0) part->n_cand = got;
+    }
+
+    // ---- sampling on the whole grid (see "sampling on the whole grid" above): every block
+    const bool grid = sampling && p.sub_log2 > 0;
+    __shared__ int gs_mode, gs_nfin; // gs_mode 0: draw; 3: nothing to draw (argmax)
+    __shared__ float gs_zmax;
+    __shared__ int gk_ids[SEL_MAX_CAND];
+    __shared__ float gk_vals[SEL_MAX_CAND];
+    __shared__ KeepRule gs_rule;
+    int sub_l = 0, nsub = 0;
+    if (grid) {
+        sub_l = (1 << p.sub_log2) / (int)blockDim.x;
+        int pow2 = 1;
+        while (pow2 < p.V) pow2 <<= 1;
+        nsub = pow2 >> p.sub_log2;
+        sel_grid_sync(p); // 1: every partial written
+        const volatile SelectPartial* gparts = (const volatile SelectPartial*)p.partials;
+        const int NB = gridDim.x;
+        if (threadIdx.x < 32) { // z max and the finite count: exact in any order
+            float zm = NEG_INF;
+            int nf = 0;
+            for (int b = threadIdx.x; b < NB; b += 32) {
+                zm = fmaxf(zm, gparts[b].z_max);
+                nf += gparts[b].n_finite;
+            }
+            zm = warp_max(zm);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) nf += __shfl_xor_sync(0xffffffffu, nf, o);
+            if (threadIdx.x == 0) {
+                gs_zmax = zm;
+                gs_nfin = nf;
+                gs_mode = nf > 0 ? 0 : 3;
+            }
+        }
+        __syncthreads();
+        const float zmax = gs_zmax;
+        const int nfin = gs_nfin;
+        // 2: the merged candidates, ranked (the same list in every block)
+        int nk = 0;
+        if (need_cands && gs_mode == 0) {
+            const int want = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
+            float* cv = raw;
+            int* ci = (int*)zv;
+            const int ncand = NB * SEL_MAX_CAND;
+            for (int k = threadIdx.x; k < ncand; k += blockDim.x) {
+                const int b = k / SEL_MAX_CAND, j = k - b * SEL_MAX_CAND;
+                const bool ok = j < gparts[b].n_cand;
+                cv[k] = ok ? gparts[b].cand_vals[j] : __int_as_float(0x7fc00000);
+                ci[k] = ok ? gparts[b].cand_ids[j] : 0x7fffffff;
+            }
+            __syncthreads();
+            nk = block_top_radix(cv, ci, 0, ncand, want, gk_ids, gk_vals);
+            __shared__ int s_nk;
+            if (threadIdx.x == 0) { // the finite ones (a ranked prefix: −inf ranks last)
+                int m = 0;
+                while (m < nk && gk_vals[m] > NEG_INF && gk_vals[m] < __int_as_float(0x7f800000)) ++m;
+                s_nk = m;
+            }
+            __syncthreads();
+            nk = s_nk;
+        }
+        const bool topk_mode = c.top_k > 0 && c.top_k < nfin && c.top_k <= SEL_MAX_CAND;
+        if (threadIdx.x == 0) {
+            KeepRule r;
+            r.zmax = zmax;
+            r.vstar = NEG_INF;
+            r.min_p = 0.0f;
+            r.tie_mode = 0;
+            r.tie_room = 0x7fffffff;
+            r.ties_before = 0;
+            r.listed = gk_ids;
+            r.n_listed = 0;
+            if (topk_mode && nk > 0) {
+                r.n_listed = min(c.top_k, nk);
+                r.vstar = gk_vals[r.n_listed - 1];
+                r.tie_mode = 1;
+            }
+            gs_rule = r;
+        }
+        __syncthreads();
+        // this block's subtree (blocks past the NSUB subtrees hold none, and only take part in barriers)
+        const bool owner = (int)blockIdx.x < nsub;
+        const int first = blockIdx.x * (1 << p.sub_log2) + threadIdx.x * sub_l;
+        float zr[SEL_SUB_L_MAX];
+        if (owner) sub_load_z(p, c, blockIdx.x, sub_l, zr);
+        else
+#pragma unroll
+            for (int j = 0; j < SEL_SUB_L_MAX; ++j) zr[j] = NEG_INF;
+        // 3: top-p
+        if (c.top_p < 1.0f && gs_mode == 0) {
+            float w[SEL_SUB_L_MAX];
+            KeepRule r = gs_rule;
+            sub_leaves(zr, first, sub_l, r, w);
+            const float root = sub_root(w, sub_l);
+            if (owner && threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_TOTAL)[blockIdx.x] = root;
+            sel_grid_sync(p); // 2
+            const float total = grid_top(p, SEL_GRID_ROW_TOTAL, nsub, sm);
+            __shared__ int s_big;
+            if (threadIdx.x == 0) { // the reference's walk over the ranked candidates
+                const int kept = topk_mode ? min(c.top_k, nk) : nfin;
+                const int walk = min(kept, nk);
+                float cum = 0.0f;
+                int m2 = 0;
+                for (; m2 < walk; ++m2) {
+                    if (cum >= c.top_p) break;
+                    cum += expf(gk_vals[m2] - zmax) / total;
+                }
+                s_big = 0;
+                if (m2 == 0) gs_mode = 3; // top_p ≤ 0 keeps nothing: the reference falls back to argmax
+                else if (cum >= c.top_p || m2 == kept) {
+                    gs_rule.n_listed = m2;
+                    gs_rule.vstar = gk_vals[m2 - 1];
+                    gs_rule.tie_mode = 1;
+                } else {
+                    s_big = 1; // the nucleus is larger than the candidates
+                }
+            }
+            __syncthreads();
+            if (s_big) {
+                // v* = the smallest finite z with mass(z' > v*) < top_p, by bisection on ordered keys
+                // (as the one-block path did); each step one barrier, the subtrees' sums in block order
+                const float lo_v = -3.0e38f, hi_v = gk_vals[nk - 1];
+                int lo_k = __float_as_int(lo_v) < 0 ? (int)(0x80000000u - (u32)__float_as_int(lo_v)) : __float_as_int(lo_v);
+                int hi_k = __float_as_int(hi_v) < 0 ? (int)(0x80000000u - (u32)__float_as_int(hi_v)) : __float_as_int(hi_v);
+                for (int it = 0; it < 40; ++it) {
+                    if ((i64)hi_k - (i64)lo_k <= 1) break;
+                    const int mid = (int)(((i64)lo_k + (i64)hi_k) >> 1);
+                    const float v = mid < 0 ? __int_as_float((int)(0x80000000u - (u32)mid)) : __int_as_float(mid);
+                    float mass = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < SEL_SUB_L_MAX; ++j)
+                        if (j < sub_l && zr[j] > v && zr[j] < __int_as_float(0x7f800000)) mass += expf(zr[j] - zmax);
+                    mass = block_sum(mass, red);
+                    if (owner && threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_BISECT + it)[blockIdx.x] = mass;
+                    sel_grid_sync(p);
+                    if (grid_row_sum(p, SEL_GRID_ROW_BISECT + it, nsub) / total < c.top_p) hi_k = mid;
+                    else lo_k = mid;
+                }
+                const float thr = hi_k < 0 ? __int_as_float((int)(0x80000000u - (u32)hi_k)) : __int_as_float(hi_k);
+                float vmin = __int_as_float(0x7f800000);
+#pragma unroll
+                for (int j = 0; j < SEL_SUB_L_MAX; ++j)
+                    if (j < sub_l && zr[j] >= thr && zr[j] < vmin) vmin = zr[j];
+                vmin = -block_max(-vmin, red);
+                if (owner && threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_VMIN)[blockIdx.x] = vmin;
+                sel_grid_sync(p);
+                __shared__ float s_vmin;
+                if (threadIdx.x < 32) {
+                    const float* r = sel_grid_row(p, SEL_GRID_ROW_VMIN);
+                    float m = __int_as_float(0x7f800000);
+                    for (int b = threadIdx.x; b < nsub; b += 32) m = fminf(m, __ldcg(r + b));
+                    m = -warp_max(-m);
+                    if (threadIdx.x == 0) s_vmin = m;
+                }
+                __syncthreads();
+                vmin = s_vmin;
+                float above = 0.0f;
+                int ties = 0;
+#pragma unroll
+                for (int j = 0; j < SEL_SUB_L_MAX; ++j)
+                    if (j < sub_l && zr[j] < __int_as_float(0x7f800000)) {
+                        if (zr[j] > vmin) above += expf(zr[j] - zmax);
+                        ties += zr[j] == vmin ? 1 : 0;
+                    }
+                above = block_sum(above, red);
+                const float ties_f = block_sum((float)ties, red); // exact: < 2²⁴
+                if (owner && threadIdx.x == 0) {
+                    sel_grid_row(p, SEL_GRID_ROW_ABOVE)[blockIdx.x] = above;
+                    sel_grid_row(p, SEL_GRID_ROW_TIES)[blockIdx.x] = ties_f;
+                }
+                sel_grid_sync(p);
+                above = grid_row_sum(p, SEL_GRID_ROW_ABOVE, nsub) / total;
+                if (threadIdx.x == 0) {
+                    const float pv = expf(vmin - zmax) / total;
+                    const float room = (c.top_p - above) / pv;
+                    int tie_room = room > 2.0e9f ? 0x7fffffff : (int)ceilf(room);
+                    if (tie_room < 1) tie_room = 1;
+                    gs_rule.vstar = vmin;
+                    gs_rule.tie_mode = 2;
+                    gs_rule.tie_room = tie_room;
+                }
+                __syncthreads();
+            }
+        }
+        // 4: each subtree's root over the final kept set (the ticket below publishes it)
+        if (threadIdx.x == 0) gs_rule.min_p = c.min_p;
+        __syncthreads();
+        if (gs_mode == 0) {
+            KeepRule r = gs_rule;
+            if (r.tie_mode == 2) r.ties_before = sel_ties_before(p, blockIdx.x);
+            float w[SEL_SUB_L_MAX];
+            sub_leaves(zr, first, sub_l, r, w);
+            const float root = sub_root(w, sub_l);
+            if (owner && threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_FINAL)[blockIdx.x] = root;
+        }
     }
 
     // ---- the last block merges
     if (!block_arrive_last((unsigned*)p.counter, gridDim.x)) return;
+    // The grid's draw first (its tree uses the shared arrays the merge below reuses).
+    __shared__ int s_grid_token;
+    if (grid) {
+        if (threadIdx.x == 0) s_grid_token = -1;
+        __syncthreads();
+        if (gs_mode == 0) {
+            const float u = philox_uniform(c.seed_lo, c.seed_hi, c.step_lo, c.step_hi);
+            const float total = grid_top(p, SEL_GRID_ROW_FINAL, nsub, sm);
+            __shared__ int s_sub;
+            __shared__ float s_target;
+            if (threadIdx.x == 0) {
+                int node = 1;
+                float tg = u * total;
+                while (node < nsub) {
+                    const float left = sm[2 * node], right = sm[2 * node + 1];
+                    if (tg < left || right == 0.0f) node = 2 * node;
+                    else { tg -= left; node = 2 * node + 1; }
+                }
+                s_sub = node - nsub;
+                s_target = tg;
+            }
+            __syncthreads();
+            if (total > 0.0f) { // nothing kept (min_p > 1): argmax, as the reference
+                const int sb = s_sub, S = 1 << p.sub_log2;
+                KeepRule r = gs_rule;
+                if (r.tie_mode == 2) r.ties_before = sel_ties_before(p, sb);
+                float z[SEL_SUB_L_MAX], w[SEL_SUB_L_MAX];
+                sub_load_z(p, c, sb, sub_l, z);
+                sub_leaves(z, sb * S + threadIdx.x * sub_l, sub_l, r, w);
+                float* node = sm; // heap: node[S + i] leaf i, node[k] = node[2k] + node[2k + 1]
+#pragma unroll
+                for (int j = 0; j < SEL_SUB_L_MAX; ++j)
+                    if (j < sub_l) node[S + threadIdx.x * sub_l + j] = w[j];
+                __syncthreads();
+                for (int half = S / 2; half >= 1; half >>= 1) {
+                    for (int k = half + threadIdx.x; k < 2 * half; k += blockDim.x) node[k] = node[2 * k] + node[2 * k + 1];
+                    __syncthreads();
+                }
+                if (threadIdx.x == 0) {
+                    int nd = 1;
+                    float tg = s_target;
+                    while (nd < S) {
+                        const float left = node[2 * nd], right = node[2 * nd + 1];
+                        if (tg < left || right == 0.0f) nd = 2 * nd;
+                        else { tg -= left; nd = 2 * nd + 1; }
+                    }
+                    s_grid_token = sb * S + nd - S;
+                }
+            }
+        }
+        __syncthreads();
+    }
     const int NB = gridDim.x;
     const volatile SelectPartial* parts = (const volatile SelectPartial*)p.partials;
     __shared__ float g_lse, g_zmax, g_ztotal;
@@ -577,7 +1083,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         __syncthreads();
         __shared__ int t_ids[SEL_MAX_LOGPROBS];
         __shared__ float t_vals[SEL_MAX_LOGPROBS];
-        const int got2 = block_top(cv, ci, 0, ncand, nl, t_ids, t_vals, scratch);
+        const int got2 = block_top_radix(cv, ci, 0, ncand, nl, t_ids, t_vals);
         if (threadIdx.x == 0) {
             res->n_top = got2;
             for (int k = 0; k < got2; ++k) { res->top_ids[k] = t_ids[k]; res->top_logprobs[k] = t_vals[k] - g_lse; }
@@ -589,7 +1095,11 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
 
     int token = g_arg;
     int sampled = 0;
-    if (sampling && g_nfin > 0) {
+    if (grid && s_grid_token >= 0) {
+        token = s_grid_token;
+        sampled = 1;
+    }
+    if (sampling && g_nfin > 0 && !grid) {
         const float u = philox_uniform(c.seed_lo, c.seed_hi, c.step_lo, c.step_hi);
         // merged z candidates (best SEL_MAX_CAND, or top_k)
         const int want = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
@@ -605,7 +1115,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
                 ci[k] = ok ? parts[b].cand_ids[j] : 0x7fffffff;
             }
             __syncthreads();
-            nk = block_top(cv, ci, 0, ncand, want, k_ids, k_vals, scratch); // ranked (z ↓, id ↑)
+            nk = block_top_radix(cv, ci, 0, ncand, want, k_ids, k_vals); // ranked (z ↓, id ↑)
         }
         // From here the candidates' shared memory (raw, zv) is the weight tree's.
         const TreeShape shape = tree_shape(p.V, 2 * arr);
@@ -795,6 +1305,6 @@ extern "C" __global__ void __launch_bounds__(256) penalty_tables(const PenaltyPa
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(SelectConfig) == 64, "SelectConfig layout differs from its Rust twin");
 static_assert(sizeof(SelectResult) == 176, "SelectResult layout differs from its Rust twin");
-static_assert(sizeof(SelectParams) == 96, "SelectParams layout differs from its Rust twin");
+static_assert(sizeof(SelectParams) == 104, "SelectParams layout differs from its Rust twin");
 static_assert(sizeof(PenaltyParams) == 48, "PenaltyParams layout differs from its Rust twin");
 static_assert(sizeof(SelectPartial) == 708, "SelectPartial layout differs from its Rust twin");

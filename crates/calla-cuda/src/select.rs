@@ -74,10 +74,13 @@ pub struct SelectParams {
     pub counts: u64,
     /// [2] SelectResult in mapped page-locked host memory (slot pos & 1), or 0
     pub result_host: u64,
+    /// the grid draw's barrier counter and per-block rows
+    pub grid: u64,
     pub v: i32,
     pub chunk: i32,
     pub advance: i32,
-    pub pad: i32,
+    /// > 0: sampled tokens are drawn by the whole grid over subtrees of 2^sub_log2 ids
+    pub sub_log2: i32,
 }
 
 #[repr(C)]
@@ -93,12 +96,29 @@ pub struct PenaltyParams {
     pub pad: i32,
 }
 
-/// Floats in each of select.cu's two shared arrays (`arr` there).
-fn shared_floats(chunk: usize, blocks: usize) -> usize {
+/// Floats in each of select.cu's two shared arrays (`arr` there; `subtree`: 2^sub_log2 or 0).
+fn shared_floats(chunk: usize, blocks: usize, subtree: usize) -> usize {
     chunk
         .max(blocks * MAX_CANDIDATES)
         .max(blocks * MAX_LOGPROBS)
         .max(THREADS as usize + 1)
+        .max(subtree)
+}
+
+/// select.cu's SEL_GRID_ROWS: the grid draw's per-block rows.
+const GRID_ROWS: usize = 45;
+
+/// log2 of the subtree each block of the grid draw owns (select.cu "sampling on the whole grid"), or
+/// None where that draw does not apply: the weight tree's N = 2^⌈log2 V⌉ leaves as the largest power
+/// of two of subtrees that `blocks` covers, each 256 to 16·256 ids (whole leaves per thread, in
+/// registers).
+fn subtree_log2(vocab: usize, blocks: usize) -> Option<i32> {
+    let n = vocab.next_power_of_two();
+    let subtrees = 1usize << blocks.max(1).ilog2();
+    let size = (n / subtrees).max(1);
+    (THREADS as usize..=16 * THREADS as usize)
+        .contains(&size)
+        .then(|| size.ilog2() as i32)
 }
 
 /// Whether select.cu's `tree_shape` finds groups of 32·G ids, G ≤ TREE_MAX_G (8), whose heap, tie
@@ -119,6 +139,8 @@ pub struct Selector {
     pub partials: DPtr,
     pub counter: DPtr,
     pub result: DPtr,
+    /// the grid draw's barrier counter and rows
+    pub grid: DPtr,
     pub bias: DPtr,
     pub seen: DPtr,
     pub counts: DPtr,
@@ -138,7 +160,7 @@ impl Selector {
         let blocks = vocab.div_ceil(1024).clamp(1, MAX_BLOCKS);
         let chunk = vocab.div_ceil(blocks);
         ensure!(
-            weight_tree_fits(vocab, 2 * shared_floats(chunk, blocks)),
+            weight_tree_fits(vocab, 2 * shared_floats(chunk, blocks, 0)),
             "a vocabulary of {vocab} is too large for the CUDA sampler's weight tree"
         );
         Ok(Selector {
@@ -147,6 +169,7 @@ impl Selector {
             partials: arena.alloc_zeroed(blocks * PARTIAL_BYTES)?,
             counter: arena.alloc_zeroed(4)?,
             result: arena.alloc_zeroed(std::mem::size_of::<SelectResult>())?,
+            grid: arena.alloc_zeroed(16 + GRID_ROWS * blocks * 4)?,
             bias: arena.alloc_zeroed(vocab * 4)?,
             seen: arena.alloc_zeroed(vocab)?,
             counts: arena.alloc_zeroed(vocab * 4)?,
@@ -160,9 +183,24 @@ impl Selector {
         })
     }
 
-    /// Shared memory: two arrays of max(chunk, merged candidates, threads + 1) floats.
+    /// Shared memory: two arrays of max(chunk, merged candidates, threads + 1, a subtree) floats.
     fn smem(&self) -> usize {
-        2 * shared_floats(self.chunk, self.blocks) * 4
+        let subtree = subtree_log2(self.vocab, self.blocks).map_or(0, |l| 1usize << l);
+        2 * shared_floats(self.chunk, self.blocks, subtree) * 4
+    }
+
+    /// The grid draw's subtree size (log2), where every block of the launch fits on the device at
+    /// once (its blocks wait for each other); else 0, and the last block draws alone.
+    fn grid_draw(&self, gpu: &Gpu) -> Result<i32> {
+        let Some(log2) = subtree_log2(self.vocab, self.blocks) else {
+            return Ok(0);
+        };
+        let per_sm = gpu.resident_blocks("select_token", THREADS, self.smem() as u32)?;
+        Ok(if per_sm * gpu.sm_count.max(0) as usize >= self.blocks {
+            log2
+        } else {
+            0
+        })
     }
 
     /// The selection launch: reads logits [V], writes the result (also into `result_host`'s slot
@@ -187,10 +225,11 @@ impl Selector {
             seen: self.seen.0,
             counts: self.counts.0,
             result_host: result_host.map_or(0, |p| p.0),
+            grid: self.grid.0,
             v: self.vocab as i32,
             chunk: self.chunk as i32,
             advance: advance as i32,
-            pad: 0,
+            sub_log2: self.grid_draw(gpu)?,
         };
         Launch::new(
             gpu,
@@ -359,10 +398,33 @@ mod tests {
             let blocks = vocab.div_ceil(1024).clamp(1, MAX_BLOCKS);
             let chunk = vocab.div_ceil(blocks);
             assert!(
-                weight_tree_fits(vocab, 2 * shared_floats(chunk, blocks)),
+                weight_tree_fits(vocab, 2 * shared_floats(chunk, blocks, 0)),
                 "{vocab}"
             );
         }
         assert!(!weight_tree_fits(1 << 24, 2 * 4096));
+    }
+
+    #[test]
+    fn the_grid_draw_takes_whole_subtrees_of_256_to_4096_ids() {
+        // (vocabulary, subtree log2): the subtrees tile the tree's 2^⌈log2 V⌉ leaves, at most one
+        // per block of the launch
+        for (vocab, want) in [
+            (248_320usize, Some(12)),
+            (151_936, Some(12)),
+            (1000, Some(10)),
+            (4096, Some(10)),
+            (100, None),
+            (1 << 20, None),
+        ] {
+            let blocks = vocab.div_ceil(1024).clamp(1, MAX_BLOCKS);
+            let got = subtree_log2(vocab, blocks);
+            assert_eq!(got, want, "{vocab}");
+            if let Some(l) = got {
+                let subtrees = vocab.next_power_of_two() >> l;
+                assert!(subtrees <= blocks && subtrees.is_power_of_two(), "{vocab}");
+                assert!(shared_floats(vocab.div_ceil(blocks), blocks, 1 << l) >= 1 << l);
+            }
+        }
     }
 }

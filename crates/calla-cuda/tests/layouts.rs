@@ -34,7 +34,7 @@ fn parameter_structs_match_the_kernels() {
         ),
         ("SelectConfig", size_of::<select::SelectConfig>(), 64),
         ("SelectResult", size_of::<select::SelectResult>(), 176),
-        ("SelectParams", size_of::<select::SelectParams>(), 96),
+        ("SelectParams", size_of::<select::SelectParams>(), 104),
         ("PenaltyParams", size_of::<select::PenaltyParams>(), 48),
         ("FillParams", size_of::<synthetic::FillParams>(), 40),
         ("StreamParams", size_of::<lab_stream::StreamParams>(), 24),
