@@ -11,7 +11,7 @@ export CALLA_KERNEL_CACHE=/tmp/calla-kernels
 for mode in "" "--temperature 1" "--temperature 0.7 --top-p 0.95" "--temperature 0.7 --top-k 40"; do
     echo "== ${mode:-greedy}"
     timeout 200 .gpu-bin/calla bench --synthetic qwen3.6-35b-a3b --quant q4 --prompt-len 512 --gen-len 32 \
-        --rounds 2 --context 4096 --profile $mode 2>&1 | grep -E "^\| *[0-9]|digest at|select_token|decode step \(graph"
+        --rounds 2 --context 4096 --profile $mode 2>&1 | grep -E "^\| *[0-9]|digest at|select_token|decode step \(graph|[Ee]rror"
 done
 # the selection against the reference sampler, and two steps in flight with sampling
 export CALLA_FIXTURES=$PWD/tests/fixtures

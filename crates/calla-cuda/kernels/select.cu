@@ -89,15 +89,18 @@ __device__ __forceinline__ float philox_uniform(u32 seed_lo, u32 seed_hi, u32 st
 __device__ __forceinline__ float sanitise(float x) { return x != x ? NEG_INF : x; }
 
 // z for one id: penalties and bias (steps 1–3), then /T when sampling.
-__device__ __forceinline__ float adjust(const SelectParams& p, const SelectConfig& c, int i, float raw, bool sampling) {
+// adjust() with id i's table entries given (read only where the configuration uses them).
+__device__ __forceinline__ float adjust_with(const SelectConfig& c, float raw, float bias, bool seen, u32 count,
+                                             bool sampling) {
     float z = sanitise(raw);
-    if (c.use_bias) z += ((const float*)p.bias)[i];
-    if (c.use_seen && ((const u8*)p.seen)[i]) z = z > 0.0f ? z / c.rep_penalty : z * c.rep_penalty;
-    if (c.use_counts) {
-        const u32 n = ((const u32*)p.counts)[i];
-        if (n) z -= c.presence + c.frequency * (float)n;
-    }
+    if (c.use_bias) z += bias;
+    if (c.use_seen && seen) z = z > 0.0f ? z / c.rep_penalty : z * c.rep_penalty;
+    if (c.use_counts && count) z -= c.presence + c.frequency * (float)count;
     return sampling ? z / c.temperature : z;
+}
+__device__ __forceinline__ float adjust(const SelectParams& p, const SelectConfig& c, int i, float raw, bool sampling) {
+    return adjust_with(c, raw, c.use_bias ? ((const float*)p.bias)[i] : 0.0f, c.use_seen && ((const u8*)p.seen)[i],
+                       c.use_counts ? ((const u32*)p.counts)[i] : 0u, sampling);
 }
 
 // (value ↓, id ↑), NaN = already taken (never better).
@@ -125,7 +128,7 @@ __device__ __forceinline__ u64 rank_key(float v, int id) {
 // the chosen are those whose key, masked to the digits decided, is ≥ the decided prefix, and a rank
 // count orders them. The same set and order as W rounds of a block-wide best, which this replaced:
 // a block reduction per round, ~0.1 ms for 64 candidates (docs/performance.md, session 15).
-__device__ int block_top_radix(const float* vals, const int* ids, int id_base, int count, int W, int* out_ids,
+__device__ __noinline__ int block_top_radix(const float* vals, const int* ids, int id_base, int count, int W, int* out_ids,
                                float* out_vals) {
     __shared__ int hist[256];
     __shared__ u64 s_prefix, s_mask;
@@ -308,7 +311,7 @@ __device__ __forceinline__ float tree_group_sum(float (&w)[TREE_MAX_G], int G) {
 
 // The whole tree into heap (and the ties' group prefix into ties); returns the root (the total).
 // Every thread of the block calls.
-__device__ float tree_build(const SelectParams& p, const SelectConfig& c, float zmax, float vstar, int tie_room,
+__device__ __noinline__ float tree_build(const SelectParams& p, const SelectConfig& c, float zmax, float vstar, int tie_room,
                             bool min_p, float* smem, const TreeShape& t) {
     float* heap = smem;
     int* ties = (int*)(smem + 2 * t.NG);
@@ -367,7 +370,7 @@ __device__ float tree_build(const SelectParams& p, const SelectConfig& c, float 
 // tree_draw on the tree tree_build left (same arguments): thread 0 descends the groups' heap, warp 0
 // recomputes the chosen group's leaves into `mini`, thread 0 sums its subtree and descends it.
 // Returns the id (every thread).
-__device__ int tree_descend(const SelectParams& p, const SelectConfig& c, float zmax, float vstar, int tie_room,
+__device__ __noinline__ int tree_descend(const SelectParams& p, const SelectConfig& c, float zmax, float vstar, int tie_room,
                             bool min_p, float target, float* smem, const TreeShape& t) {
     const float* heap = smem;
     const int* ties = (const int*)(smem + 2 * t.NG);
@@ -418,7 +421,7 @@ __device__ int tree_descend(const SelectParams& p, const SelectConfig& c, float 
 // (levels·n pairs: the caller checks it fits). Returns the root; `draw` ≥ 0: the id tree_draw lands
 // on for target u·root in *drawn.
 #define SPARSE_MAX_LEVELS 24
-__device__ float sparse_tree(const int* ids, const float* z, int n, float zmax, float min_p, int V, float* ws,
+__device__ __noinline__ float sparse_tree(const int* ids, const float* z, int n, float zmax, float min_p, int V, float* ws,
                              float u, int* drawn) {
     int levels = 0;
     while ((1 << levels) < V) ++levels;
@@ -466,6 +469,41 @@ __device__ float sparse_tree(const int* ids, const float* z, int n, float zmax, 
     return root;
 }
 
+// Every partial's ranked list (top logprobs, or with CAND the z candidates) into shared vals / ids,
+// entry b·W + j (absent entries NaN, id 0x7fffffff); every thread calls. The counts first, then all
+// of a thread's entries requested at once: one L2 round trip each, where a loop of volatile reads
+// made one per entry (~20 µs for 64 blocks' candidates). ld.cg: the partials come from other blocks.
+template <bool CAND>
+__device__ __noinline__ void gather_lists(const SelectParams& p, float* vals, int* ids) {
+    constexpr int W = CAND ? SEL_MAX_CAND : SEL_MAX_LOGPROBS;
+    constexpr int PER = 64 * SEL_MAX_CAND / SEL_THREADS; // entries per thread: gridDim.x ≤ 64 (select.rs MAX_BLOCKS)
+    __shared__ int counts[64];
+    const SelectPartial* parts = (const SelectPartial*)p.partials;
+    const int NB = gridDim.x, total = NB * W;
+    for (int b = threadIdx.x; b < NB; b += blockDim.x) counts[b] = __ldcg(CAND ? &parts[b].n_cand : &parts[b].n_raw);
+    float v[PER];
+    int id[PER];
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+        const int k = threadIdx.x + r * SEL_THREADS, b = k / W, j = k - b * W;
+        if (k < total) {
+            v[r] = __ldcg(CAND ? &parts[b].cand_vals[j] : &parts[b].raw_vals[j]);
+            id[r] = __ldcg(CAND ? &parts[b].cand_ids[j] : &parts[b].raw_ids[j]);
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+        const int k = threadIdx.x + r * SEL_THREADS, b = k / W, j = k - b * W;
+        if (k < total) {
+            const bool ok = j < counts[b];
+            vals[k] = ok ? v[r] : __int_as_float(0x7fc00000);
+            ids[k] = ok ? id[r] : 0x7fffffff;
+        }
+    }
+    __syncthreads();
+}
+
 // ---------------------------------------------------------------- sampling on the whole grid
 // With SelectParams.sub_log2 > 0 a sampled token is drawn by every block of the launch, not by the
 // last one alone (which took ~0.35 ms over the 248K ids at temperature 1, ~10 ms for a nucleus beyond
@@ -477,7 +515,7 @@ __device__ float sparse_tree(const int* ids, const float* z, int n, float zmax, 
 //   1. every block has written its partial (as without); each reads every partial's z max;
 //   2. top-k / top-p: each block merges the candidates itself (the same ranked list in every block);
 //   3. top-p: each subtree's root over the kept set → the total (the top of the tree, in every block),
-//      the walk over the ranked candidates; beyond them the nucleus's bound by bisection, one barrier
+//      the walk over the ranked candidates; beyond them the nucleus's bound by a 16-way search, one barrier
 //      per step (each block sums its subtree, the sums added in block order);
 //   4. each subtree's root over the final kept set; the last block to arrive (the ticket of the
 //      selection) descends the top of the tree to a subtree, recomputes that subtree's leaves and
@@ -485,7 +523,9 @@ __device__ float sparse_tree(const int* ids, const float* z, int n, float zmax, 
 // Every block takes every decision from the same values, so all take the same path and barriers.
 #define SEL_SUB_L_MAX 16 // leaves per thread: S ≤ 16·256
 #define SEL_GRID_ROW_TOTAL 0
-#define SEL_GRID_ROW_BISECT 1 // 40 rows
+#define SEL_GRID_ROW_SEARCH 1 // 2 × SEL_SEARCH_POINTS rows (double-buffered: a block writes step i + 2's
+                              // after every block has passed step i + 1's barrier, so has read step i's)
+#define SEL_SEARCH_POINTS 15
 #define SEL_GRID_ROW_VMIN 41
 #define SEL_GRID_ROW_ABOVE 42
 #define SEL_GRID_ROW_TIES 43
@@ -519,19 +559,6 @@ struct KeepRule {
     int n_listed;
 };
 
-// This thread's SUB_L z values of subtree sb (ids past V: −inf, a zero leaf).
-__device__ __forceinline__ void sub_load_z(const SelectParams& p, const SelectConfig& c, int sb, int L,
-                                           float (&z)[SEL_SUB_L_MAX]) {
-    const int first = sb * L * (int)blockDim.x + (int)threadIdx.x * L;
-    const float* logits = (const float*)p.logits;
-    float raw[SEL_SUB_L_MAX];
-#pragma unroll
-    for (int j = 0; j < SEL_SUB_L_MAX; ++j) raw[j] = j < L && first + j < p.V ? __ldcg(logits + first + j) : 0.0f;
-#pragma unroll
-    for (int j = 0; j < SEL_SUB_L_MAX; ++j)
-        z[j] = j < L && first + j < p.V ? adjust(p, c, first + j, sanitise(raw[j]), true) : NEG_INF;
-}
-
 // Block-wide exclusive prefix of v in thread order; `tot` gets the block's total.
 __device__ __forceinline__ int block_exclusive_scan(int v, int& tot) {
     __shared__ int warp_tot[32];
@@ -554,51 +581,53 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int& tot) {
     return before + incl - v;
 }
 
-// The leaves of this thread's ids (first, first + 1, …) under rule r. Every thread calls (tie ranks).
-__device__ __forceinline__ void sub_leaves(const float (&z)[SEL_SUB_L_MAX], int first, int L, const KeepRule& r,
-                                           float (&w)[SEL_SUB_L_MAX]) {
-    bool tie[SEL_SUB_L_MAX];
-    int my_ties = 0;
-#pragma unroll
-    for (int j = 0; j < SEL_SUB_L_MAX; ++j) {
-        w[j] = 0.0f;
-        tie[j] = false;
-        if (j < L && z[j] > NEG_INF && z[j] < __int_as_float(0x7f800000) && z[j] >= r.vstar) {
-            w[j] = expf(z[j] - r.zmax);
-            tie[j] = z[j] == r.vstar;
-            my_ties += tie[j] ? 1 : 0;
-        }
-    }
-    int rank = 0;
-    if (r.tie_mode == 2) { // uniform
-        int tot;
-        rank = r.ties_before + block_exclusive_scan(my_ties, tot);
-    }
-#pragma unroll
-    for (int j = 0; j < SEL_SUB_L_MAX; ++j) {
-        if (tie[j]) {
-            bool keep = true;
-            if (r.tie_mode == 1) {
-                keep = false;
-                for (int k = 0; k < r.n_listed; ++k) keep |= r.listed[k] == first + j;
-            } else if (r.tie_mode == 2) {
-                keep = rank++ < r.tie_room;
-            }
-            if (!keep) w[j] = 0.0f;
-        }
-        if (r.min_p > 0.0f && w[j] > 0.0f && !(w[j] >= r.min_p)) w[j] = 0.0f;
-    }
+__device__ __noinline__ bool keep_listed(const KeepRule& r, int id) {
+    for (int k = 0; k < r.n_listed; ++k)
+        if (r.listed[k] == id) return true;
+    return false;
 }
 
-// The subtree's root (every thread gets it): the thread's leaves pairwise, the lanes by xor shuffles,
-// the 8 warps' nodes pairwise.
-__device__ __forceinline__ float sub_root(float (&w)[SEL_SUB_L_MAX], int L) {
+// The subtree's root under rule r from the block's z values in zs (id order: thread t takes ids
+// first + j = b·S + t·L + j, j < L); every thread calls (tie ranks) and gets the root. With leaves_out,
+// the leaves too (leaves_out[t·L + j]). Looped, not unrolled: this kernel runs once per launch.
+// The sums are the reference's nodes: the thread's leaves pairwise, the lanes by xor shuffles (f32
+// addition commutes: both lanes of a pair hold left + right), the 8 warps' nodes pairwise.
+__device__ __noinline__ float sub_tree_root(const float* zs, int first, int L, const KeepRule& r, float* leaves_out) {
     __shared__ float warp_node[SEL_THREADS / 32];
-#pragma unroll
-    for (int s = 1; s < SEL_SUB_L_MAX; s <<= 1)
-#pragma unroll
-        for (int j = 0; j + s < SEL_SUB_L_MAX; j += 2 * s)
-            if (s < L) w[j] += w[j + s];
+    float w[SEL_SUB_L_MAX];
+    unsigned tie = 0u;      // bit j: id first + j is at vstar
+#pragma unroll 1
+    for (int j = 0; j < L; ++j) {
+        const float z = zs[threadIdx.x * L + j];
+        float v = 0.0f;
+        if (z > NEG_INF && z < __int_as_float(0x7f800000) && z >= r.vstar) {
+            v = expf(z - r.zmax);
+            if (z == r.vstar) tie |= 1u << j;
+        }
+        w[j] = v;
+    }
+    if (r.tie_mode == 2) { // the first tie_room ids at vstar in id order
+        int tot;
+        int rank = r.ties_before + block_exclusive_scan(__popc(tie), tot);
+        for (unsigned t = tie; t; t &= t - 1u) {
+            const int j = __ffs(t) - 1;
+            if (rank++ >= r.tie_room) w[j] = 0.0f;
+        }
+    } else if (r.tie_mode == 1) { // those in the ranked prefix
+        for (unsigned t = tie; t; t &= t - 1u) {
+            const int j = __ffs(t) - 1;
+            if (!keep_listed(r, first + j)) w[j] = 0.0f;
+        }
+    }
+#pragma unroll 1
+    for (int j = 0; j < L; ++j) {
+        if (r.min_p > 0.0f && w[j] > 0.0f && !(w[j] >= r.min_p)) w[j] = 0.0f;
+        if (leaves_out) leaves_out[threadIdx.x * L + j] = w[j];
+    }
+#pragma unroll 1
+    for (int s = 1; s < L; s <<= 1)
+#pragma unroll 1
+        for (int j = 0; j + s < L; j += 2 * s) w[j] += w[j + s];
     float v = w[0];
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -613,7 +642,7 @@ __device__ __forceinline__ float sub_root(float (&w)[SEL_SUB_L_MAX], int L) {
 // = root b; shared memory); returns the total (every thread).
 __device__ __forceinline__ float grid_top(const SelectParams& p, int row, int nsub, float* heap) {
     const float* roots = sel_grid_row(p, row);
-    for (int b = threadIdx.x; b < nsub; b += blockDim.x) heap[nsub + b] = __ldcg(roots + b);
+    for (int b = threadIdx.x; b < nsub; b += blockDim.x) heap[nsub + b] = b < (int)gridDim.x ? __ldcg(roots + b) : 0.0f;
     __syncthreads();
     for (int half = nsub / 2; half >= 1; half >>= 1) {
         for (int k = half + threadIdx.x; k < 2 * half; k += blockDim.x) heap[k] = heap[2 * k] + heap[2 * k + 1];
@@ -631,7 +660,7 @@ __device__ __forceinline__ float grid_row_sum(const SelectParams& p, int row, in
     if (threadIdx.x < 32) {
         const float* r = sel_grid_row(p, row);
         float v = 0.0f;
-        for (int b = threadIdx.x; b < nsub; b += 32) v += __ldcg(r + b);
+        for (int b = threadIdx.x; b < min(nsub, (int)gridDim.x); b += 32) v += __ldcg(r + b);
         v = warp_sum(v);
         if (threadIdx.x == 0) s_sum = v;
     }
@@ -671,6 +700,8 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     const int lo = blockIdx.x * p.chunk, n = max(0, min(p.V, lo + p.chunk) - lo);
     const float* logits = (const float*)p.logits;
     SelectPartial* part = (SelectPartial*)p.partials + blockIdx.x;
+    LAB_ON(1); // lab (LAB_STAMPS): every block, per warp
+    LAB_STAMP(0);
 
     // ---- per-block partials
     float rmax = NEG_INF;
@@ -702,6 +733,10 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     } else {
         for (int k = threadIdx.x; k < n; k += blockDim.x) take(k, logits[lo + k]);
     }
+    // The grid draw (sampling, sub_log2 > 0): this block's chunk is its subtree, zv its z values, the
+    // ids past V −inf (zero leaves).
+    if (sampling && p.sub_log2 > 0)
+        for (int k = n + threadIdx.x; k < p.chunk; k += blockDim.x) zv[k] = NEG_INF;
     // The raw maximum, the best z and the finite count in one block reduction (each is exact in any
     // order), then Σ exp(raw − max) (and Σ exp(z − zmax) when sampling) as block_sum always did.
     {
@@ -759,7 +794,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
 
     // ---- sampling on the whole grid (see "sampling on the whole grid" above): every block
     const bool grid = sampling && p.sub_log2 > 0;
-    __shared__ int gs_mode, gs_nfin; // gs_mode 0: draw; 3: nothing to draw (argmax)
+    __shared__ int gs_mode, gs_nfin, gs_drawn; // gs_mode 0: draw; 3: nothing to draw (argmax)
     __shared__ float gs_zmax;
     __shared__ int gk_ids[SEL_MAX_CAND];
     __shared__ float gk_vals[SEL_MAX_CAND];
@@ -770,7 +805,9 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         int pow2 = 1;
         while (pow2 < p.V) pow2 <<= 1;
         nsub = pow2 >> p.sub_log2;
+        LAB_STAMP(1);
         sel_grid_sync(p); // 1: every partial written
+        LAB_STAMP(2);
         const volatile SelectPartial* gparts = (const volatile SelectPartial*)p.partials;
         const int NB = gridDim.x;
         if (threadIdx.x < 32) { // z max and the finite count: exact in any order
@@ -791,21 +828,16 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         }
         __syncthreads();
         const float zmax = gs_zmax;
+        if (!need_cands) LAB_STAMP(3); // lab: the z max read (plain temperature; 3 is "candidates merged" otherwise)
         const int nfin = gs_nfin;
         // 2: the merged candidates, ranked (the same list in every block)
         int nk = 0;
         if (need_cands && gs_mode == 0) {
             const int want = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
             float* cv = raw;
-            int* ci = (int*)zv;
+            int* ci = (int*)(sm + 2 * arr); // zv holds the block's z values
             const int ncand = NB * SEL_MAX_CAND;
-            for (int k = threadIdx.x; k < ncand; k += blockDim.x) {
-                const int b = k / SEL_MAX_CAND, j = k - b * SEL_MAX_CAND;
-                const bool ok = j < gparts[b].n_cand;
-                cv[k] = ok ? gparts[b].cand_vals[j] : __int_as_float(0x7fc00000);
-                ci[k] = ok ? gparts[b].cand_ids[j] : 0x7fffffff;
-            }
-            __syncthreads();
+            gather_lists<true>(p, cv, ci);
             nk = block_top_radix(cv, ci, 0, ncand, want, gk_ids, gk_vals);
             __shared__ int s_nk;
             if (threadIdx.x == 0) { // the finite ones (a ranked prefix: −inf ranks last)
@@ -815,6 +847,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
             }
             __syncthreads();
             nk = s_nk;
+            LAB_STAMP(3);
         }
         const bool topk_mode = c.top_k > 0 && c.top_k < nfin && c.top_k <= SEL_MAX_CAND;
         if (threadIdx.x == 0) {
@@ -836,22 +869,16 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         }
         __syncthreads();
         // this block's subtree (blocks past the NSUB subtrees hold none, and only take part in barriers)
-        const bool owner = (int)blockIdx.x < nsub;
         const int first = blockIdx.x * (1 << p.sub_log2) + threadIdx.x * sub_l;
-        float zr[SEL_SUB_L_MAX];
-        if (owner) sub_load_z(p, c, blockIdx.x, sub_l, zr);
-        else
-#pragma unroll
-            for (int j = 0; j < SEL_SUB_L_MAX; ++j) zr[j] = NEG_INF;
+        // this block's z values: phase 1's (its chunk is its subtree), −inf past V
+        float* zs = zv;
         // 3: top-p
         if (c.top_p < 1.0f && gs_mode == 0) {
-            float w[SEL_SUB_L_MAX];
-            KeepRule r = gs_rule;
-            sub_leaves(zr, first, sub_l, r, w);
-            const float root = sub_root(w, sub_l);
-            if (owner && threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_TOTAL)[blockIdx.x] = root;
+            const float root = sub_tree_root(zs, first, sub_l, gs_rule, nullptr);
+            if (threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_TOTAL)[blockIdx.x] = root;
             sel_grid_sync(p); // 2
             const float total = grid_top(p, SEL_GRID_ROW_TOTAL, nsub, sm);
+            LAB_STAMP(4);
             __shared__ int s_big;
             if (threadIdx.x == 0) { // the reference's walk over the ranked candidates
                 const int kept = topk_mode ? min(c.top_k, nk) : nfin;
@@ -874,38 +901,77 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
             }
             __syncthreads();
             if (s_big) {
-                // v* = the smallest finite z with mass(z' > v*) < top_p, by bisection on ordered keys
-                // (as the one-block path did); each step one barrier, the subtrees' sums in block order
+                // v* = the smallest finite z with mass(z' > v*) < top_p: the smallest ordered key in
+                // (lo, hi] whose mass is below top_p, searched 16 ways per step (one barrier each; ~8
+                // steps over 2³² keys). Every block evaluates the same mass function (the subtrees'
+                // sums in block order; non-increasing in the key: f32 sums of fewer non-negative terms
+                // in a fixed order), so all find the same key, the one a bisection finds.
                 const float lo_v = -3.0e38f, hi_v = gk_vals[nk - 1];
                 int lo_k = __float_as_int(lo_v) < 0 ? (int)(0x80000000u - (u32)__float_as_int(lo_v)) : __float_as_int(lo_v);
                 int hi_k = __float_as_int(hi_v) < 0 ? (int)(0x80000000u - (u32)__float_as_int(hi_v)) : __float_as_int(hi_v);
-                for (int it = 0; it < 40; ++it) {
-                    if ((i64)hi_k - (i64)lo_k <= 1) break;
-                    const int mid = (int)(((i64)lo_k + (i64)hi_k) >> 1);
-                    const float v = mid < 0 ? __int_as_float((int)(0x80000000u - (u32)mid)) : __int_as_float(mid);
-                    float mass = 0.0f;
+                float zr[SEL_SUB_L_MAX], e[SEL_SUB_L_MAX]; // this thread's z values and weights (0: not finite)
 #pragma unroll
-                    for (int j = 0; j < SEL_SUB_L_MAX; ++j)
-                        if (j < sub_l && zr[j] > v && zr[j] < __int_as_float(0x7f800000)) mass += expf(zr[j] - zmax);
-                    mass = block_sum(mass, red);
-                    if (owner && threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_BISECT + it)[blockIdx.x] = mass;
-                    sel_grid_sync(p);
-                    if (grid_row_sum(p, SEL_GRID_ROW_BISECT + it, nsub) / total < c.top_p) hi_k = mid;
-                    else lo_k = mid;
+                for (int j = 0; j < SEL_SUB_L_MAX; ++j) {
+                    zr[j] = j < sub_l ? zs[threadIdx.x * sub_l + j] : NEG_INF;
+                    e[j] = zr[j] > NEG_INF && zr[j] < __int_as_float(0x7f800000) ? expf(zr[j] - zmax) : 0.0f;
                 }
+                __shared__ float s_wsum[SEL_SEARCH_POINTS][SEL_THREADS / 32];
+                __shared__ float s_mass[SEL_SEARCH_POINTS];
+                for (int it = 0; (i64)hi_k - (i64)lo_k > 1; ++it) {
+                    const i64 span = (i64)hi_k - (i64)lo_k;
+                    const int q = (int)min((i64)SEL_SEARCH_POINTS, span - 1); // points strictly inside
+                    float* rows = sel_grid_row(p, SEL_GRID_ROW_SEARCH + (it & 1) * SEL_SEARCH_POINTS);
+#pragma unroll 1
+                    for (int i = 0; i < q; ++i) {
+                        const int key = (int)((i64)lo_k + span * (i + 1) / (q + 1));
+                        const float v = key < 0 ? __int_as_float((int)(0x80000000u - (u32)key)) : __int_as_float(key);
+                        float mass = 0.0f;
+#pragma unroll
+                        for (int j = 0; j < SEL_SUB_L_MAX; ++j)
+                            if (j < sub_l && zr[j] > v) mass += e[j];
+                        mass = warp_sum(mass);
+                        if ((threadIdx.x & 31) == 0) s_wsum[i][threadIdx.x >> 5] = mass;
+                    }
+                    __syncthreads();
+                    if (threadIdx.x < q) { // block_sum's order: the warps' sums in warp order
+                        float m = 0.0f;
+#pragma unroll
+                        for (int w = 0; w < SEL_THREADS / 32; ++w) m += s_wsum[threadIdx.x][w];
+                        rows[(i64)threadIdx.x * gridDim.x + blockIdx.x] = m;
+                    }
+                    sel_grid_sync(p);
+                    { // warp i % 8 adds point i's row in block order
+                        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+                        for (int i = warp; i < q; i += SEL_THREADS / 32) {
+                            float v = 0.0f;
+                            for (int b = lane; b < NB; b += 32) v += __ldcg(rows + (i64)i * gridDim.x + b);
+                            v = warp_sum(v);
+                            if (lane == 0) s_mass[i] = v;
+                        }
+                    }
+                    __syncthreads();
+                    int first_below = q; // the first point whose mass is below top_p
+                    for (int i = q - 1; i >= 0; --i)
+                        if (s_mass[i] / total < c.top_p) first_below = i;
+                    const int lo_new = first_below == 0 ? lo_k : (int)((i64)lo_k + span * first_below / (q + 1));
+                    if (first_below < q) hi_k = (int)((i64)lo_k + span * (first_below + 1) / (q + 1));
+                    lo_k = lo_new;
+                    __syncthreads(); // s_wsum, s_mass reused
+                }
+                LAB_STAMP(5);
                 const float thr = hi_k < 0 ? __int_as_float((int)(0x80000000u - (u32)hi_k)) : __int_as_float(hi_k);
                 float vmin = __int_as_float(0x7f800000);
 #pragma unroll
                 for (int j = 0; j < SEL_SUB_L_MAX; ++j)
                     if (j < sub_l && zr[j] >= thr && zr[j] < vmin) vmin = zr[j];
                 vmin = -block_max(-vmin, red);
-                if (owner && threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_VMIN)[blockIdx.x] = vmin;
+                if (threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_VMIN)[blockIdx.x] = vmin;
                 sel_grid_sync(p);
                 __shared__ float s_vmin;
                 if (threadIdx.x < 32) {
                     const float* r = sel_grid_row(p, SEL_GRID_ROW_VMIN);
                     float m = __int_as_float(0x7f800000);
-                    for (int b = threadIdx.x; b < nsub; b += 32) m = fminf(m, __ldcg(r + b));
+                    for (int b = threadIdx.x; b < NB; b += 32) m = fminf(m, __ldcg(r + b));
                     m = -warp_max(-m);
                     if (threadIdx.x == 0) s_vmin = m;
                 }
@@ -921,7 +987,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
                     }
                 above = block_sum(above, red);
                 const float ties_f = block_sum((float)ties, red); // exact: < 2²⁴
-                if (owner && threadIdx.x == 0) {
+                if (threadIdx.x == 0) {
                     sel_grid_row(p, SEL_GRID_ROW_ABOVE)[blockIdx.x] = above;
                     sel_grid_row(p, SEL_GRID_ROW_TIES)[blockIdx.x] = ties_f;
                 }
@@ -943,23 +1009,18 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         if (threadIdx.x == 0) gs_rule.min_p = c.min_p;
         __syncthreads();
         if (gs_mode == 0) {
-            KeepRule r = gs_rule;
-            if (r.tie_mode == 2) r.ties_before = sel_ties_before(p, blockIdx.x);
-            float w[SEL_SUB_L_MAX];
-            sub_leaves(zr, first, sub_l, r, w);
-            const float root = sub_root(w, sub_l);
-            if (owner && threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_FINAL)[blockIdx.x] = root;
-        }
-    }
-
-    // ---- the last block merges
-    if (!block_arrive_last((unsigned*)p.counter, gridDim.x)) return;
-    // The grid's draw first (its tree uses the shared arrays the merge below reuses).
-    __shared__ int s_grid_token;
-    if (grid) {
-        if (threadIdx.x == 0) s_grid_token = -1;
-        __syncthreads();
-        if (gs_mode == 0) {
+            if (gs_rule.tie_mode == 2) {
+                const int before = sel_ties_before(p, blockIdx.x);
+                if (threadIdx.x == 0) gs_rule.ties_before = before;
+                __syncthreads();
+            }
+            float* leaves = sm + 2 * arr; // [S] this subtree's leaves (id order)
+            const float root = sub_tree_root(zs, first, sub_l, gs_rule, leaves);
+            if (threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_FINAL)[blockIdx.x] = root;
+            sel_grid_sync(p);
+            LAB_STAMP(6);
+            // 5: every block descends the top of the tree to the same subtree; that block descends
+            // its own leaves and publishes the id (before the ticket, which orders it for the last block)
             const float u = philox_uniform(c.seed_lo, c.seed_hi, c.step_lo, c.step_hi);
             const float total = grid_top(p, SEL_GRID_ROW_FINAL, nsub, sm);
             __shared__ int s_sub;
@@ -974,38 +1035,37 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
                 }
                 s_sub = node - nsub;
                 s_target = tg;
+                gs_drawn = total > 0.0f; // nothing kept (min_p > 1): argmax, as the reference
             }
             __syncthreads();
-            if (total > 0.0f) { // nothing kept (min_p > 1): argmax, as the reference
-                const int sb = s_sub, S = 1 << p.sub_log2;
-                KeepRule r = gs_rule;
-                if (r.tie_mode == 2) r.ties_before = sel_ties_before(p, sb);
-                float z[SEL_SUB_L_MAX], w[SEL_SUB_L_MAX];
-                sub_load_z(p, c, sb, sub_l, z);
-                sub_leaves(z, sb * S + threadIdx.x * sub_l, sub_l, r, w);
-                float* node = sm; // heap: node[S + i] leaf i, node[k] = node[2k] + node[2k + 1]
-#pragma unroll
-                for (int j = 0; j < SEL_SUB_L_MAX; ++j)
-                    if (j < sub_l) node[S + threadIdx.x * sub_l + j] = w[j];
-                __syncthreads();
+            if (gs_drawn && s_sub == (int)blockIdx.x) {
+                // heap node k: the leaves (k ≥ S) in `leaves`, the inner nodes in sm[k]
+                const int S = 1 << p.sub_log2;
+                auto node = [&](int k) { return k >= S ? leaves[k - S] : sm[k]; };
                 for (int half = S / 2; half >= 1; half >>= 1) {
-                    for (int k = half + threadIdx.x; k < 2 * half; k += blockDim.x) node[k] = node[2 * k] + node[2 * k + 1];
+                    for (int k = half + threadIdx.x; k < 2 * half; k += blockDim.x) sm[k] = node(2 * k) + node(2 * k + 1);
                     __syncthreads();
                 }
                 if (threadIdx.x == 0) {
                     int nd = 1;
                     float tg = s_target;
                     while (nd < S) {
-                        const float left = node[2 * nd], right = node[2 * nd + 1];
+                        const float left = node(2 * nd), right = node(2 * nd + 1);
                         if (tg < left || right == 0.0f) nd = 2 * nd;
                         else { tg -= left; nd = 2 * nd + 1; }
                     }
-                    s_grid_token = sb * S + nd - S;
+                    *(int*)(p.grid + 8) = blockIdx.x * S + nd - S;
                 }
             }
         }
-        __syncthreads();
+        LAB_STAMP(7);
     }
+
+    // ---- the last block merges
+    if (!block_arrive_last((unsigned*)p.counter, gridDim.x)) return;
+    __shared__ int s_grid_token;
+    if (threadIdx.x == 0) s_grid_token = grid && gs_mode == 0 && gs_drawn ? __ldcg((const int*)(p.grid + 8)) : -1;
+    __syncthreads();
     const int NB = gridDim.x;
     const volatile SelectPartial* parts = (const volatile SelectPartial*)p.partials;
     __shared__ float g_lse, g_zmax, g_ztotal;
@@ -1074,13 +1134,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     int ncand = 0;
     if (nl > 0) {
         ncand = NB * SEL_MAX_LOGPROBS;
-        for (int k = threadIdx.x; k < ncand; k += blockDim.x) {
-            const int b = k / SEL_MAX_LOGPROBS, j = k - b * SEL_MAX_LOGPROBS;
-            const bool ok = j < parts[b].n_raw;
-            cv[k] = ok ? parts[b].raw_vals[j] : __int_as_float(0x7fc00000);
-            ci[k] = ok ? parts[b].raw_ids[j] : 0x7fffffff;
-        }
-        __syncthreads();
+        gather_lists<false>(p, cv, ci);
         __shared__ int t_ids[SEL_MAX_LOGPROBS];
         __shared__ float t_vals[SEL_MAX_LOGPROBS];
         const int got2 = block_top_radix(cv, ci, 0, ncand, nl, t_ids, t_vals);
@@ -1108,13 +1162,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         int nk = 0;
         if (need_cands) {
             ncand = NB * SEL_MAX_CAND;
-            for (int k = threadIdx.x; k < ncand; k += blockDim.x) {
-                const int b = k / SEL_MAX_CAND, j = k - b * SEL_MAX_CAND;
-                const bool ok = j < parts[b].n_cand;
-                cv[k] = ok ? parts[b].cand_vals[j] : __int_as_float(0x7fc00000);
-                ci[k] = ok ? parts[b].cand_ids[j] : 0x7fffffff;
-            }
-            __syncthreads();
+            gather_lists<true>(p, cv, ci);
             nk = block_top_radix(cv, ci, 0, ncand, want, k_ids, k_vals); // ranked (z ↓, id ↑)
         }
         // From here the candidates' shared memory (raw, zv) is the weight tree's.
@@ -1303,6 +1351,8 @@ extern "C" __global__ void __launch_bounds__(256) penalty_tables(const PenaltyPa
 }
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
+LAB_STAMPS_COPY(select_lab_stamps)
+
 static_assert(sizeof(SelectConfig) == 64, "SelectConfig layout differs from its Rust twin");
 static_assert(sizeof(SelectResult) == 176, "SelectResult layout differs from its Rust twin");
 static_assert(sizeof(SelectParams) == 104, "SelectParams layout differs from its Rust twin");

@@ -395,10 +395,14 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// Kernels that use more than 48 KiB of dynamic shared memory must say so before they are launched
-/// or their occupancy is asked.
+/// Kernels that use more than 48 KiB of shared memory (dynamic and static) must say so before they
+/// are launched or their occupancy is asked.
 fn allow_dynamic_smem(f: &CudaFunction, name: &str, smem: u32) -> Result<()> {
-    if smem > 48 * 1024 {
+    // the opt-in is for more than 48 KiB in all, the kernel's static shared memory included
+    let static_smem = f
+        .shared_size_bytes()
+        .with_context(|| format!("{name}: its static shared memory"))?;
+    if smem as usize + static_smem.max(0) as usize > 48 * 1024 {
         f.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,

@@ -149,6 +149,8 @@ pub struct Selector {
     ids_capacity: usize,
     blocks: usize,
     chunk: usize,
+    /// log2 of the grid draw's subtree (= chunk), where it applies
+    subtree: Option<i32>,
     config_mirror: Option<SelectConfig>,
     bias_mirror: Vec<(u32, f32)>,
     /// (prompt, generated) the penalty tables reflect
@@ -157,8 +159,14 @@ pub struct Selector {
 
 impl Selector {
     pub fn new(arena: &mut Arena, vocab: usize, max_ids: usize) -> Result<Selector> {
-        let blocks = vocab.div_ceil(1024).clamp(1, MAX_BLOCKS);
-        let chunk = vocab.div_ceil(blocks);
+        let default_blocks = vocab.div_ceil(1024).clamp(1, MAX_BLOCKS);
+        // The grid draw (select.cu "sampling on the whole grid") gives each block one subtree of the
+        // weight tree as its chunk, so phase 1 leaves it the subtree's z values.
+        let subtree = subtree_log2(vocab, default_blocks);
+        let (blocks, chunk) = match subtree {
+            Some(l) => (vocab.div_ceil(1 << l), 1usize << l),
+            None => (default_blocks, vocab.div_ceil(default_blocks)),
+        };
         ensure!(
             weight_tree_fits(vocab, 2 * shared_floats(chunk, blocks, 0)),
             "a vocabulary of {vocab} is too large for the CUDA sampler's weight tree"
@@ -177,22 +185,29 @@ impl Selector {
             ids_capacity: max_ids,
             blocks,
             chunk,
+            subtree,
             config_mirror: None,
             bias_mirror: Vec::new(),
             penalty_mirror: None,
         })
     }
 
-    /// Shared memory: two arrays of max(chunk, merged candidates, threads + 1, a subtree) floats.
+    /// Shared memory: two arrays of max(chunk, merged candidates, threads + 1, a subtree) floats,
+    /// and for the grid draw a third (the merged candidates' ids, then the subtree's leaves).
     fn smem(&self) -> usize {
-        let subtree = subtree_log2(self.vocab, self.blocks).map_or(0, |l| 1usize << l);
-        2 * shared_floats(self.chunk, self.blocks, subtree) * 4
+        let subtree = self.subtree.map_or(0, |l| 1usize << l);
+        let third = if subtree > 0 {
+            subtree.max(self.blocks * MAX_CANDIDATES)
+        } else {
+            0
+        };
+        (2 * shared_floats(self.chunk, self.blocks, subtree) + third) * 4
     }
 
     /// The grid draw's subtree size (log2), where every block of the launch fits on the device at
     /// once (its blocks wait for each other); else 0, and the last block draws alone.
     fn grid_draw(&self, gpu: &Gpu) -> Result<i32> {
-        let Some(log2) = subtree_log2(self.vocab, self.blocks) else {
+        let Some(log2) = self.subtree else {
             return Ok(0);
         };
         let per_sm = gpu.resident_blocks("select_token", THREADS, self.smem() as u32)?;
