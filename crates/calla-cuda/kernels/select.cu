@@ -7,18 +7,22 @@
 //   greedy (T = 0): argmax z (ties: lowest id)
 //   sampling: z ← z/T; kept = finite; top-k by (z ↓, id ↑); top-p: p = softmax over kept, walk by
 //     (p ↓, id ↑) keeping ids whose preceding cumulative p < top_p; min-p: exp(z − z_max) ≥ min_p;
-//     w = exp(z − z_max) over kept in ascending id order; target = u·Σw with
+//     w = exp(z − z_max) over kept; target = u·Σw with
 //     u = philox4x32_10([step, step>>32, 0, 0], [seed, seed>>32])[0] >> 8 · 2⁻²⁴;
-//     the first id whose running sum exceeds target (the last kept id if none).
-// Sums in the reference are sequential in id order; here they are per-thread chunks in id order
-// (identical tokens except when a draw lands within rounding of a boundary).
+//     the sums a pairwise tree over the id space (weight_tree), the draw its descent (tree_draw).
+// The tree's nodes are the reference's exactly, so the same token is drawn; the top-p boundary of a
+// nucleus beyond the 64 candidates is found by mass in another summation order (identical except
+// within rounding of the boundary; docs/cuda-parity.md).
 //
-// Launch: select_token: grid NB = ⌈V/chunk⌉ blocks × 256 threads, dynamic smem chunk·4·2. Each block
-//   reduces its chunk (raw max/sum, z max/argmax/sum, its best SEL_MAX_LOGPROBS raw and
-//   SEL_MAX_CAND z candidates) into a partial; the last block (atomic ticket) merges them, draws,
-//   writes the SelectResult, advances the cursor (token ← chosen, pos ← pos + 1) and the draw step,
-//   and counts the token for the penalties. Everything it reads that changes per request or per step
-//   is in device memory (SelectConfig, Cursor), so the launch can live in the decode graph.
+// Launch: select_token: grid NB = ⌈V/chunk⌉ blocks × 256 threads. Each block reduces its chunk (raw
+//   max/sum, z max/argmax/sum, its best SEL_MAX_LOGPROBS raw and, for top-k / top-p, SEL_MAX_CAND z
+//   candidates) into a partial; the last block (atomic ticket) merges them, writes the SelectResult,
+//   advances the cursor (token ← chosen, pos ← pos + 1) and the draw step, and counts the token for
+//   the penalties. A sampled token is drawn by the whole grid (sub_log2 > 0: each chunk one subtree
+//   of the weight tree, its blocks all resident; "sampling on the whole grid" below), or else by the
+//   last block alone. Everything it reads that changes per request or per step is in device memory
+//   (SelectConfig, Cursor), so the launch can live in the decode graph.
+//   Dynamic smem: two arrays of `arr` floats.
 // Bytes per call: V·4 (logits) + V·(4 + 1 + 4) with bias/penalty tables.
 
 #define SEL_THREADS 256
@@ -470,7 +474,7 @@ __device__ __noinline__ float sparse_tree(const int* ids, const float* z, int n,
 }
 
 // Every partial's ranked list (top logprobs, or with CAND the z candidates) into shared vals / ids,
-// entry b·W + j (absent entries NaN, id 0x7fffffff); every thread calls. The counts first, then all
+// entry b·W + j (absent entries NaN, id 0x7fffffff; ids may be null); every thread calls. The counts first, then all
 // of a thread's entries requested at once: one L2 round trip each, where a loop of volatile reads
 // made one per entry (~20 µs for 64 blocks' candidates). ld.cg: the partials come from other blocks.
 template <bool CAND>
@@ -488,7 +492,7 @@ __device__ __noinline__ void gather_lists(const SelectParams& p, float* vals, in
         const int k = threadIdx.x + r * SEL_THREADS, b = k / W, j = k - b * W;
         if (k < total) {
             v[r] = __ldcg(CAND ? &parts[b].cand_vals[j] : &parts[b].raw_vals[j]);
-            id[r] = __ldcg(CAND ? &parts[b].cand_ids[j] : &parts[b].raw_ids[j]);
+            id[r] = ids ? __ldcg(CAND ? &parts[b].cand_ids[j] : &parts[b].raw_ids[j]) : 0;
         }
     }
     __syncthreads();
@@ -498,7 +502,7 @@ __device__ __noinline__ void gather_lists(const SelectParams& p, float* vals, in
         if (k < total) {
             const bool ok = j < counts[b];
             vals[k] = ok ? v[r] : __int_as_float(0x7fc00000);
-            ids[k] = ok ? id[r] : 0x7fffffff;
+            if (ids) ids[k] = ok ? id[r] : 0x7fffffff;
         }
     }
     __syncthreads();
@@ -835,10 +839,22 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         if (need_cands && gs_mode == 0) {
             const int want = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
             float* cv = raw;
-            int* ci = (int*)(sm + 2 * arr); // zv holds the block's z values
             const int ncand = NB * SEL_MAX_CAND;
-            gather_lists<true>(p, cv, ci);
-            nk = block_top_radix(cv, ci, 0, ncand, want, gk_ids, gk_vals);
+            // Ranked by their index k = b·64 + j instead of their id (zv holds the block's z values,
+            // no room for ids): equal values rank alike either way, as block b's list is ranked
+            // (z ↓, id ↑) and its ids are below block b + 1's. The chosen k become ids after.
+            gather_lists<true>(p, cv, nullptr);
+            nk = block_top_radix(cv, nullptr, 0, ncand, want, gk_ids, gk_vals);
+            {
+                const SelectPartial* cparts = (const SelectPartial*)p.partials;
+                int id = 0;
+                if (threadIdx.x < nk) {
+                    const int k = gk_ids[threadIdx.x];
+                    id = __ldcg(&cparts[k / SEL_MAX_CAND].cand_ids[k % SEL_MAX_CAND]);
+                }
+                __syncthreads();
+                if (threadIdx.x < nk) gk_ids[threadIdx.x] = id;
+            }
             __shared__ int s_nk;
             if (threadIdx.x == 0) { // the finite ones (a ranked prefix: −inf ranks last)
                 int m = 0;
@@ -1014,7 +1030,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
                 if (threadIdx.x == 0) gs_rule.ties_before = before;
                 __syncthreads();
             }
-            float* leaves = sm + 2 * arr; // [S] this subtree's leaves (id order)
+            float* leaves = zs; // [S] this subtree's leaves, in place of its z values (each thread its own)
             const float root = sub_tree_root(zs, first, sub_l, gs_rule, leaves);
             if (threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_FINAL)[blockIdx.x] = root;
             sel_grid_sync(p);

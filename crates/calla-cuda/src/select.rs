@@ -192,16 +192,10 @@ impl Selector {
         })
     }
 
-    /// Shared memory: two arrays of max(chunk, merged candidates, threads + 1, a subtree) floats,
-    /// and for the grid draw a third (the merged candidates' ids, then the subtree's leaves).
+    /// Shared memory: two arrays of max(chunk, merged candidates, threads + 1, a subtree) floats.
     fn smem(&self) -> usize {
         let subtree = self.subtree.map_or(0, |l| 1usize << l);
-        let third = if subtree > 0 {
-            subtree.max(self.blocks * MAX_CANDIDATES)
-        } else {
-            0
-        };
-        (2 * shared_floats(self.chunk, self.blocks, subtree) + third) * 4
+        2 * shared_floats(self.chunk, self.blocks, subtree) * 4
     }
 
     /// The grid draw's subtree size (log2), where every block of the launch fits on the device at
