@@ -199,11 +199,17 @@ impl Selector {
     }
 
     /// The grid draw's subtree size (log2), where every block of the launch fits on the device at
-    /// once (its blocks wait for each other); else 0, and the last block draws alone.
+    /// once (its blocks wait for each other); else 0, and the last block draws alone. As for
+    /// attention's merge (attention.rs `barrier_merge`), the check assumes calla's stream has the SMs
+    /// to itself; where SMs are partitioned among processes (MPS), `CALLA_SELECT_DRAW=last-block`
+    /// needs no co-residency.
     fn grid_draw(&self, gpu: &Gpu) -> Result<i32> {
         let Some(log2) = self.subtree else {
             return Ok(0);
         };
+        if std::env::var("CALLA_SELECT_DRAW").as_deref() == Ok("last-block") {
+            return Ok(0);
+        }
         let per_sm = gpu.resident_blocks("select_token", THREADS, self.smem() as u32)?;
         Ok(if per_sm * gpu.sm_count.max(0) as usize >= self.blocks {
             log2
