@@ -517,7 +517,8 @@ __device__ __noinline__ void gather_lists(const SelectParams& p, float* vals, in
 // by xor shuffles, across the 8 warps in shared memory: the reference's nodes exactly). The phases,
 // separated by grid barriers (every block of the launch is resident: the launcher checks):
 //   1. every block has written its partial (as without); each reads every partial's z max;
-//   2. top-k / top-p: each block merges the candidates itself (the same ranked list in every block);
+//   2. top-k / top-p: the best 64 (or k) by a radix select over the whole grid, one barrier per pass
+//      (the same ranked list in every block);
 //   3. top-p: each subtree's root over the kept set → the total (the top of the tree, in every block),
 //      the walk over the ranked candidates; beyond them the nucleus's bound by a 16-way search, one barrier
 //      per step (each block sums its subtree, the sums added in block order);
@@ -539,6 +540,15 @@ __device__ __noinline__ void gather_lists(const SelectParams& p, float* vals, in
 __device__ __forceinline__ float* sel_grid_row(const SelectParams& p, int row) {
     return (float*)(p.grid + 16) + (i64)row * gridDim.x;
 }
+// After the rows (from a 16-byte boundary): two histogram buffers of [256 bins][64 blocks] ints (the
+// candidates' radix passes, alternating; a bin's 64 counts one run of 16-byte loads), then the chosen
+// candidates' count (u32, reset by the last block) and their keys (u64 [SEL_MAX_CAND]). select.rs
+// `grid_bytes` sizes the whole.
+__device__ __forceinline__ int* sel_grid_hist(const SelectParams& p, int buf) {
+    return (int*)(p.grid + ((16 + (u64)SEL_GRID_ROWS * gridDim.x * 4 + 15) & ~15ull)) + (i64)buf * 256 * 64;
+}
+__device__ __forceinline__ u32* sel_grid_list_count(const SelectParams& p) { return (u32*)sel_grid_hist(p, 2); }
+__device__ __forceinline__ u64* sel_grid_list(const SelectParams& p) { return (u64*)(sel_grid_list_count(p) + 4); }
 // Every block of the launch: the writes before it are visible to every block after it (read them
 // with ld.cg: L1 is not coherent). The counter is monotonic: exactly gridDim.x arrivals per barrier.
 __device__ __forceinline__ void sel_grid_sync(const SelectParams& p) {
@@ -674,6 +684,113 @@ __device__ __forceinline__ float grid_row_sum(const SelectParams& p, int row, in
     return s;
 }
 
+// The best W (≤ SEL_MAX_CAND) finite z of the whole vocabulary by (z ↓, id ↑), ranked into out_ids /
+// out_vals (every block gets the same list); returns how many (W, or the nfin finite ones if fewer).
+// Every block calls with its subtree's z values (zs, id order from first_id). block_top_radix over
+// the grid: each 8-bit pass histograms every block's keys, the histograms meet in global memory and
+// every block adds them (bin t by thread t, in block order) after a barrier; then each block appends
+// its chosen keys to one list, and after a barrier every block rank-sorts it. It replaced each block's
+// own top 64 and every block's merge of the 61 lists (~35 µs at top-k 40: docs/performance.md,
+// session 15).
+__device__ __noinline__ int grid_top_candidates(const SelectParams& p, const float* zs, int L, int first_id, int nfin,
+                                                int W, int* out_ids, float* out_vals) {
+    __shared__ int hist[256];
+    __shared__ u64 s_prefix, s_mask;
+    __shared__ int s_need, s_done;
+    __shared__ u64 c_key[SEL_MAX_CAND];
+    const int tid = threadIdx.x, lane = tid & 31, NB = gridDim.x;
+    W = min(W, SEL_MAX_CAND);
+    if (W <= 0 || nfin <= 0) return 0; // uniform over the grid
+    if (tid == 0) {
+        s_prefix = 0;
+        s_mask = 0;
+        s_need = min(W, nfin);
+        s_done = nfin <= W;
+    }
+    __syncthreads();
+    auto finite = [](float z) { return z > NEG_INF && z < __int_as_float(0x7f800000); };
+    for (int shift = 56, pass = 0; shift >= 0 && !s_done; shift -= 8, ++pass) {
+        const u64 prefix = s_prefix, mask = s_mask;
+        hist[tid] = 0; // blockDim.x == 256 bins
+        __syncthreads();
+#pragma unroll 1
+        for (int j = 0; j < L; ++j) {
+            const float z = zs[tid * L + j];
+            if (!finite(z)) continue;
+            const u64 key = rank_key(z, first_id + tid * L + j);
+            if ((key & mask) == prefix) atomicAdd(&hist[(int)(key >> shift) & 255], 1);
+        }
+        __syncthreads();
+        int* rows = sel_grid_hist(p, pass & 1); // [bin][64 blocks]; alternating: see SEL_GRID_ROW_SEARCH
+        rows[tid * 64 + blockIdx.x] = hist[tid];
+        sel_grid_sync(p);
+        int4 q[16]; // bin tid of every block, requested at once (one L2 round trip)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) q[i] = __ldcg((const int4*)(rows + tid * 64) + i);
+        int h = 0;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            h += 4 * i + 0 < NB ? q[i].x : 0;
+            h += 4 * i + 1 < NB ? q[i].y : 0;
+            h += 4 * i + 2 < NB ? q[i].z : 0;
+            h += 4 * i + 3 < NB ? q[i].w : 0;
+        }
+        hist[tid] = h;
+        __syncthreads();
+        if (tid < 32) { // as block_top_radix
+            int hv[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) { hv[j] = hist[8 * lane + j]; sum += hv[j]; }
+            int incl = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_down_sync(0xffffffffu, incl, o);
+                if (lane + o < 32) incl += v;
+            }
+            int above = incl - sum;
+            const int need = s_need;
+#pragma unroll
+            for (int j = 7; j >= 0; --j) {
+                if (above < need && need <= above + hv[j]) {
+                    s_prefix = prefix | ((u64)(8 * lane + j) << shift);
+                    s_mask = mask | (255ull << shift);
+                    s_need = need - above;
+                    s_done = hv[j] == need - above;
+                }
+                above += hv[j];
+            }
+        }
+        __syncthreads();
+    }
+    const u64 prefix = s_prefix, mask = s_mask;
+    u32* count = sel_grid_list_count(p);
+    u64* list = sel_grid_list(p);
+#pragma unroll 1
+    for (int j = 0; j < L; ++j) {
+        const float z = zs[tid * L + j];
+        if (!finite(z)) continue;
+        const u64 key = rank_key(z, first_id + tid * L + j);
+        if ((key & mask) >= prefix) {
+            const u32 slot = atomicAdd(count, 1u);
+            if (slot < SEL_MAX_CAND) list[slot] = key;
+        }
+    }
+    sel_grid_sync(p);
+    const int m = min((int)__ldcg(count), min(W, nfin));
+    if (tid < m) c_key[tid] = __ldcg(list + tid);
+    __syncthreads();
+    if (tid < m) {
+        const u64 key = c_key[tid];
+        int rank = 0;
+        for (int i = 0; i < m; ++i) rank += c_key[i] > key ? 1 : 0;
+        const u32 o = (u32)(key >> 32);
+        out_vals[rank] = __uint_as_float((o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o);
+        out_ids[rank] = (int)(0xFFFFFFFFu - (u32)key);
+    }
+    __syncthreads();
+    return m;
+}
+
 // The ids at the nucleus's bound in the subtrees before sb (row SEL_GRID_ROW_TIES; exact counts).
 __device__ __forceinline__ int sel_ties_before(const SelectParams& p, int sb) {
     __shared__ int s_before;
@@ -789,8 +906,8 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     // Candidates (the best z) only for top-k and top-p: plain temperature sampling draws from the
     // weight tree alone, and the candidates' k block reductions cost ~0.6 ms per token.
     const bool need_cands = sampling && (c.top_k > 0 || c.top_p < 1.0f);
-    if (!need_cands && threadIdx.x == 0) part->n_cand = 0;
-    if (need_cands) {
+    if ((!need_cands || p.sub_log2 > 0) && threadIdx.x == 0) part->n_cand = 0;
+    if (need_cands && p.sub_log2 <= 0) { // the grid draw takes them from the whole grid (grid_top_candidates)
         const int kc = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
         got = block_top_radix(zv, nullptr, lo, n, kc, part->cand_ids, part->cand_vals);
         if (threadIdx.x == 0) part->n_cand = got;
@@ -834,35 +951,11 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         const float zmax = gs_zmax;
         if (!need_cands) LAB_STAMP(3); // lab: the z max read (plain temperature; 3 is "candidates merged" otherwise)
         const int nfin = gs_nfin;
-        // 2: the merged candidates, ranked (the same list in every block)
+        // 2: the candidates, ranked, from the whole grid (the same list in every block)
         int nk = 0;
         if (need_cands && gs_mode == 0) {
             const int want = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
-            float* cv = raw;
-            const int ncand = NB * SEL_MAX_CAND;
-            // Ranked by their index k = b·64 + j instead of their id (zv holds the block's z values,
-            // no room for ids): equal values rank alike either way, as block b's list is ranked
-            // (z ↓, id ↑) and its ids are below block b + 1's. The chosen k become ids after.
-            gather_lists<true>(p, cv, nullptr);
-            nk = block_top_radix(cv, nullptr, 0, ncand, want, gk_ids, gk_vals);
-            {
-                const SelectPartial* cparts = (const SelectPartial*)p.partials;
-                int id = 0;
-                if (threadIdx.x < nk) {
-                    const int k = gk_ids[threadIdx.x];
-                    id = __ldcg(&cparts[k / SEL_MAX_CAND].cand_ids[k % SEL_MAX_CAND]);
-                }
-                __syncthreads();
-                if (threadIdx.x < nk) gk_ids[threadIdx.x] = id;
-            }
-            __shared__ int s_nk;
-            if (threadIdx.x == 0) { // the finite ones (a ranked prefix: −inf ranks last)
-                int m = 0;
-                while (m < nk && gk_vals[m] > NEG_INF && gk_vals[m] < __int_as_float(0x7f800000)) ++m;
-                s_nk = m;
-            }
-            __syncthreads();
-            nk = s_nk;
+            nk = grid_top_candidates(p, zv, sub_l, blockIdx.x * (1 << p.sub_log2), nfin, want, gk_ids, gk_vals);
             LAB_STAMP(3);
         }
         const bool topk_mode = c.top_k > 0 && c.top_k < nfin && c.top_k <= SEL_MAX_CAND;
@@ -1338,6 +1431,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
             cur->pos += 1;
         }
         *(u32*)p.counter = 0u;
+        if (p.sub_log2 > 0) *sel_grid_list_count(p) = 0u; // every block has read the candidates' list
     }
 }
 

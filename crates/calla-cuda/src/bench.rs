@@ -764,7 +764,7 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
                     (0, "entry"),
                     (1, "partial written (grid draw)"),
                     (2, "first grid barrier passed"),
-                    (3, "candidates merged (plain: z max read)"),
+                    (3, "candidates ranked (plain: z max read)"),
                     (4, "top-p: total known"),
                     (5, "top-p: nucleus bound found"),
                     (6, "subtree roots written (barrier)"),

@@ -108,6 +108,17 @@ fn shared_floats(chunk: usize, blocks: usize, subtree: usize) -> usize {
 /// select.cu's SEL_GRID_ROWS: the grid draw's per-block rows.
 const GRID_ROWS: usize = 45;
 
+/// The grid draw's global scratch (select.cu `sel_grid_row`, `sel_grid_hist`, `sel_grid_list`): the
+/// barrier's counter and the drawn id (16 bytes), GRID_ROWS rows of one f32 per block, then (16-byte
+/// aligned) two 256-bin histograms of 64 i32 (one per block, MAX_BLOCKS), the candidates' count and
+/// their 64 keys.
+fn grid_bytes(blocks: usize) -> usize {
+    (16 + GRID_ROWS * blocks * 4).next_multiple_of(16)
+        + 2 * 256 * MAX_BLOCKS * 4
+        + 16
+        + MAX_CANDIDATES * 8
+}
+
 /// log2 of the subtree each block of the grid draw owns (select.cu "sampling on the whole grid"), or
 /// None where that draw does not apply: the weight tree's N = 2^⌈log2 V⌉ leaves as the largest power
 /// of two of subtrees that `blocks` covers, each 256 to 16·256 ids (whole leaves per thread, in
@@ -177,7 +188,7 @@ impl Selector {
             partials: arena.alloc_zeroed(blocks * PARTIAL_BYTES)?,
             counter: arena.alloc_zeroed(4)?,
             result: arena.alloc_zeroed(std::mem::size_of::<SelectResult>())?,
-            grid: arena.alloc_zeroed(16 + GRID_ROWS * blocks * 4)?,
+            grid: arena.alloc_zeroed(grid_bytes(blocks))?,
             bias: arena.alloc_zeroed(vocab * 4)?,
             seen: arena.alloc_zeroed(vocab)?,
             counts: arena.alloc_zeroed(vocab * 4)?,
