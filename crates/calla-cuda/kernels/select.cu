@@ -125,22 +125,60 @@ __device__ __forceinline__ u64 rank_key(float v, int id) {
     return ((u64)o << 32) | (u64)(0xFFFFFFFFu - (u32)id);
 }
 
+// One radix-select pass's decision, shared by block_top_radix and grid_top_candidates: the 256 bins
+// `hist` count the keys that match st.prefix under st.mask by their digit at `shift`; warp 0 takes
+// the digit d with above(d) < st.need ≤ above(d) + hist[d] (above: the keys in higher digits) into
+// the prefix, and st.done when that bucket is taken whole. Every thread calls; ends with a barrier.
+struct RadixState {
+    u64 prefix, mask;
+    int need, done;
+};
+__device__ __forceinline__ void radix_choose_digit(const int* hist, int shift, RadixState& st) {
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x < 32) { // lane l holds digits 8l..8l+7
+        int h[8], sum = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) { h[j] = hist[8 * lane + j]; sum += h[j]; }
+        int incl = sum; // Σ over lanes ≥ this one
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_down_sync(0xffffffffu, incl, o);
+            if (lane + o < 32) incl += v;
+        }
+        int above = incl - sum;
+        const int need = st.need;
+        const u64 prefix = st.prefix, mask = st.mask;
+        __syncwarp(); // every lane has read st before the one that chooses writes it
+#pragma unroll
+        for (int j = 7; j >= 0; --j) {
+            if (above < need && need <= above + h[j]) {
+                st.prefix = prefix | ((u64)(8 * lane + j) << shift);
+                st.mask = mask | (255ull << shift);
+                st.need = need - above;
+                st.done = h[j] == need - above;
+            }
+            above += h[j];
+        }
+    }
+    __syncthreads();
+}
+
 // The best W (≤ SEL_MAX_CAND) of vals[k] for k < count (id ids[k], or id_base + k; NaN never) by
 // (value ↓, id ↑), ranked into out_ids / out_vals; returns how many (W, or fewer non-NaN). Every
 // thread of the block calls. A radix select on rank_key, 8 bits per pass from the top, ends at the
 // first pass whose chosen bucket is taken whole (distinct keys: ≤ 8 passes, ~3 for real values);
 // the chosen are those whose key, masked to the digits decided, is ≥ the decided prefix, and a rank
-// count orders them. The same set and order as W rounds of a block-wide best, which this replaced:
-// a block reduction per round, ~0.1 ms for 64 candidates (docs/performance.md, session 15).
+// count orders them. The same set and order as W rounds of a block-wide best, which this replaced
+// (a block reduction per round: ~0.3 ms per token for the blocks' lists and their merge, session 14).
 __device__ __noinline__ int block_top_radix(const float* vals, const int* ids, int id_base, int count, int W, int* out_ids,
-                               float* out_vals) {
+                                           float* out_vals) {
     __shared__ int hist[256];
-    __shared__ u64 s_prefix, s_mask;
-    __shared__ int s_need, s_done, s_n;
+    __shared__ RadixState st;
+    __shared__ int s_n;
     __shared__ u64 c_key[SEL_MAX_CAND];
     __shared__ float c_val[SEL_MAX_CAND];
     __shared__ int c_id[SEL_MAX_CAND];
-    const int tid = threadIdx.x, lane = tid & 31;
+    const int tid = threadIdx.x;
     W = min(W, SEL_MAX_CAND);
     if (W <= 0 || count <= 0) return 0; // uniform
     __syncthreads(); // the shared state below may still be read from a previous call
@@ -150,17 +188,12 @@ __device__ __noinline__ int block_top_radix(const float* vals, const int* ids, i
     for (int k = tid; k < count; k += blockDim.x) nv += vals[k] == vals[k] ? 1 : 0;
     if (nv) atomicAdd(&s_n, nv);
     __syncthreads();
-    if (tid == 0) {
-        s_prefix = 0;
-        s_mask = 0;
-        s_need = min(W, s_n);
-        s_done = s_n <= W;
-    }
+    if (tid == 0) st = RadixState{0ull, 0ull, min(W, s_n), s_n <= W};
     __syncthreads();
-    for (int shift = 56; shift >= 0 && !s_done; shift -= 8) {
+    for (int shift = 56; shift >= 0 && !st.done; shift -= 8) {
         for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
-        const u64 prefix = s_prefix, mask = s_mask;
+        const u64 prefix = st.prefix, mask = st.mask;
         for (int k = tid; k < count; k += blockDim.x) {
             const float v = vals[k];
             if (v != v) continue;
@@ -168,32 +201,9 @@ __device__ __noinline__ int block_top_radix(const float* vals, const int* ids, i
             if ((key & mask) == prefix) atomicAdd(&hist[(int)(key >> shift) & 255], 1);
         }
         __syncthreads();
-        if (tid < 32) { // lane l holds digits 8l..8l+7; the chosen digit d: above(d) < need ≤ above(d) + h[d]
-            int h[8], sum = 0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) { h[j] = hist[8 * lane + j]; sum += h[j]; }
-            int incl = sum; // Σ over lanes ≥ this one
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_down_sync(0xffffffffu, incl, o);
-                if (lane + o < 32) incl += v;
-            }
-            int above = incl - sum;
-            const int need = s_need;
-#pragma unroll
-            for (int j = 7; j >= 0; --j) {
-                if (above < need && need <= above + h[j]) {
-                    s_prefix = prefix | ((u64)(8 * lane + j) << shift);
-                    s_mask = mask | (255ull << shift);
-                    s_need = need - above;
-                    s_done = h[j] == need - above;
-                }
-                above += h[j];
-            }
-        }
-        __syncthreads();
+        radix_choose_digit(hist, shift, st);
     }
-    const u64 prefix = s_prefix, mask = s_mask;
+    const u64 prefix = st.prefix, mask = st.mask;
     __syncthreads();
     if (tid == 0) s_n = 0;
     __syncthreads();
@@ -476,7 +486,7 @@ __device__ __noinline__ float sparse_tree(const int* ids, const float* z, int n,
 // Every partial's ranked list (top logprobs, or with CAND the z candidates) into shared vals / ids,
 // entry b·W + j (absent entries NaN, id 0x7fffffff; ids may be null); every thread calls. The counts first, then all
 // of a thread's entries requested at once: one L2 round trip each, where a loop of volatile reads
-// made one per entry (~20 µs for 64 blocks' candidates). ld.cg: the partials come from other blocks.
+// made one per entry. ld.cg: the partials come from other blocks.
 template <bool CAND>
 __device__ __noinline__ void gather_lists(const SelectParams& p, float* vals, int* ids) {
     constexpr int W = CAND ? SEL_MAX_CAND : SEL_MAX_LOGPROBS;
@@ -603,7 +613,8 @@ __device__ __noinline__ bool keep_listed(const KeepRule& r, int id) {
 
 // The subtree's root under rule r from the block's z values in zs (id order: thread t takes ids
 // first + j = b·S + t·L + j, j < L); every thread calls (tie ranks) and gets the root. With leaves_out,
-// the leaves too (leaves_out[t·L + j]). Looped, not unrolled: this kernel runs once per launch.
+// the leaves too (leaves_out[t·L + j]). Looped, not unrolled: the kernel runs once per launch and is
+// a third of its unrolled size so (no time measured either way).
 // The sums are the reference's nodes: the thread's leaves pairwise, the lanes by xor shuffles (f32
 // addition commutes: both lanes of a pair hold left + right), the 8 warps' nodes pairwise.
 __device__ __noinline__ float sub_tree_root(const float* zs, int first, int L, const KeepRule& r, float* leaves_out) {
@@ -695,22 +706,16 @@ __device__ __forceinline__ float grid_row_sum(const SelectParams& p, int row, in
 __device__ __noinline__ int grid_top_candidates(const SelectParams& p, const float* zs, int L, int first_id, int nfin,
                                                 int W, int* out_ids, float* out_vals) {
     __shared__ int hist[256];
-    __shared__ u64 s_prefix, s_mask;
-    __shared__ int s_need, s_done;
+    __shared__ RadixState st;
     __shared__ u64 c_key[SEL_MAX_CAND];
-    const int tid = threadIdx.x, lane = tid & 31, NB = gridDim.x;
+    const int tid = threadIdx.x, NB = gridDim.x;
     W = min(W, SEL_MAX_CAND);
     if (W <= 0 || nfin <= 0) return 0; // uniform over the grid
-    if (tid == 0) {
-        s_prefix = 0;
-        s_mask = 0;
-        s_need = min(W, nfin);
-        s_done = nfin <= W;
-    }
+    if (tid == 0) st = RadixState{0ull, 0ull, min(W, nfin), nfin <= W};
     __syncthreads();
     auto finite = [](float z) { return z > NEG_INF && z < __int_as_float(0x7f800000); };
-    for (int shift = 56, pass = 0; shift >= 0 && !s_done; shift -= 8, ++pass) {
-        const u64 prefix = s_prefix, mask = s_mask;
+    for (int shift = 56, pass = 0; shift >= 0 && !st.done; shift -= 8, ++pass) {
+        const u64 prefix = st.prefix, mask = st.mask;
         hist[tid] = 0; // blockDim.x == 256 bins
         __syncthreads();
 #pragma unroll 1
@@ -737,32 +742,9 @@ __device__ __noinline__ int grid_top_candidates(const SelectParams& p, const flo
         }
         hist[tid] = h;
         __syncthreads();
-        if (tid < 32) { // as block_top_radix
-            int hv[8], sum = 0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) { hv[j] = hist[8 * lane + j]; sum += hv[j]; }
-            int incl = sum;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_down_sync(0xffffffffu, incl, o);
-                if (lane + o < 32) incl += v;
-            }
-            int above = incl - sum;
-            const int need = s_need;
-#pragma unroll
-            for (int j = 7; j >= 0; --j) {
-                if (above < need && need <= above + hv[j]) {
-                    s_prefix = prefix | ((u64)(8 * lane + j) << shift);
-                    s_mask = mask | (255ull << shift);
-                    s_need = need - above;
-                    s_done = hv[j] == need - above;
-                }
-                above += hv[j];
-            }
-        }
-        __syncthreads();
+        radix_choose_digit(hist, shift, st);
     }
-    const u64 prefix = s_prefix, mask = s_mask;
+    const u64 prefix = st.prefix, mask = st.mask;
     u32* count = sel_grid_list_count(p);
     u64* list = sel_grid_list(p);
 #pragma unroll 1
