@@ -310,6 +310,24 @@ __device__ __forceinline__ void tree_raw(const SelectParams& p, int g, const Tre
     for (int j = 0; j < TREE_MAX_G; ++j) raw[j] = j < t.G && first + j < p.V && g < t.NG ? __ldcg(logits + first + j) : 0.0f;
 }
 
+// f(g, raw) for this warp's groups g = warp, warp + nw, … < NG with their logits raw (tree_raw),
+// TREE_BATCH groups' logits requested at once (the loads are L2 round trips). Every lane calls.
+template <typename F>
+__device__ __forceinline__ void tree_for_each_group(const SelectParams& p, const TreeShape& t, const F& f) {
+    const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int g0 = warp; g0 < t.NG; g0 += nw * TREE_BATCH) {
+        float raw[TREE_BATCH][TREE_MAX_G];
+#pragma unroll
+        for (int b = 0; b < TREE_BATCH; ++b) tree_raw(p, g0 + b * nw, t, raw[b]);
+#pragma unroll
+        for (int b = 0; b < TREE_BATCH; ++b) {
+            const int g = g0 + b * nw;
+            if (g >= t.NG) break; // warp-uniform
+            f(g, raw[b]);
+        }
+    }
+}
+
 // The lane's leaves summed pairwise, then the lanes' sums pairwise: group g's node.
 __device__ __forceinline__ float tree_group_sum(float (&w)[TREE_MAX_G], int G) {
 #pragma unroll
@@ -329,27 +347,19 @@ __device__ __noinline__ float tree_build(const SelectParams& p, const SelectConf
                             bool min_p, float* smem, const TreeShape& t) {
     float* heap = smem;
     int* ties = (int*)(smem + 2 * t.NG);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31;
     const bool any_ties = vstar > NEG_INF && tie_room < 0x7fffffff;
     if (any_ties) { // ids at vstar per group, then the exclusive prefix over the groups
-        for (int g0 = warp; g0 < t.NG; g0 += nw * TREE_BATCH) {
-            float raw[TREE_BATCH][TREE_MAX_G];
+        tree_for_each_group(p, t, [&](int g, const float (&raw)[TREE_MAX_G]) {
+            int n = 0;
 #pragma unroll
-            for (int b = 0; b < TREE_BATCH; ++b) tree_raw(p, g0 + b * nw, t, raw[b]);
-#pragma unroll
-            for (int b = 0; b < TREE_BATCH; ++b) {
-                const int g = g0 + b * nw;
-                if (g >= t.NG) break; // warp-uniform
-                int n = 0;
-#pragma unroll
-                for (int j = 0; j < TREE_MAX_G; ++j) {
-                    const int id = g * t.GS + lane * t.G + j;
-                    if (j < t.G && id < p.V && adjust(p, c, id, raw[b][j], true) == vstar) ++n;
-                }
-                n = __reduce_add_sync(0xffffffffu, n);
-                if (lane == 0) ties[g] = n;
+            for (int j = 0; j < TREE_MAX_G; ++j) {
+                const int id = g * t.GS + lane * t.G + j;
+                if (j < t.G && id < p.V && adjust(p, c, id, raw[j], true) == vstar) ++n;
             }
-        }
+            n = __reduce_add_sync(0xffffffffu, n);
+            if (lane == 0) ties[g] = n;
+        });
         __syncthreads();
         if (threadIdx.x == 0) {
             int run = 0;
@@ -357,20 +367,12 @@ __device__ __noinline__ float tree_build(const SelectParams& p, const SelectConf
         }
         __syncthreads();
     }
-    for (int g0 = warp; g0 < t.NG; g0 += nw * TREE_BATCH) {
-        float raw[TREE_BATCH][TREE_MAX_G];
-#pragma unroll
-        for (int b = 0; b < TREE_BATCH; ++b) tree_raw(p, g0 + b * nw, t, raw[b]);
-#pragma unroll
-        for (int b = 0; b < TREE_BATCH; ++b) {
-            const int g = g0 + b * nw;
-            if (g >= t.NG) break; // warp-uniform
-            float w[TREE_MAX_G];
-            tree_leaves(p, c, zmax, vstar, tie_room, min_p, g, t, any_ties ? ties[g] : 0, raw[b], w);
-            const float sum = tree_group_sum(w, t.G);
-            if (lane == 0) heap[t.NG + g] = sum;
-        }
-    }
+    tree_for_each_group(p, t, [&](int g, const float (&raw)[TREE_MAX_G]) {
+        float w[TREE_MAX_G];
+        tree_leaves(p, c, zmax, vstar, tie_room, min_p, g, t, any_ties ? ties[g] : 0, raw, w);
+        const float sum = tree_group_sum(w, t.G);
+        if (lane == 0) heap[t.NG + g] = sum;
+    });
     __syncthreads();
     for (int half = t.NG / 2; half >= 1; half >>= 1) {
         for (int k = half + threadIdx.x; k < 2 * half; k += blockDim.x) heap[k] = heap[2 * k] + heap[2 * k + 1];
@@ -678,14 +680,14 @@ __device__ __forceinline__ float grid_top(const SelectParams& p, int row, int ns
     return total;
 }
 
-// Σ over blocks b < nsub of row[b] in a fixed order (warp 0: lane-strided, then xor shuffles);
+// Σ over the blocks b < n of row[b] in a fixed order (warp 0: lane-strided, then xor shuffles);
 // every thread gets it.
-__device__ __forceinline__ float grid_row_sum(const SelectParams& p, int row, int nsub) {
+__device__ __forceinline__ float grid_row_sum(const SelectParams& p, int row, int n) {
     __shared__ float s_sum;
     if (threadIdx.x < 32) {
         const float* r = sel_grid_row(p, row);
         float v = 0.0f;
-        for (int b = threadIdx.x; b < min(nsub, (int)gridDim.x); b += 32) v += __ldcg(r + b);
+        for (int b = threadIdx.x; b < n; b += 32) v += __ldcg(r + b);
         v = warp_sum(v);
         if (threadIdx.x == 0) s_sum = v;
     }
@@ -773,28 +775,16 @@ __device__ __noinline__ int grid_top_candidates(const SelectParams& p, const flo
     return m;
 }
 
-// The ids at the nucleus's bound in the subtrees before sb (row SEL_GRID_ROW_TIES; exact counts).
+// The ids at the nucleus's bound in the subtrees before sb (row SEL_GRID_ROW_TIES: counts, exact in
+// f32 below 2²⁴).
 __device__ __forceinline__ int sel_ties_before(const SelectParams& p, int sb) {
-    __shared__ int s_before;
-    if (threadIdx.x < 32) {
-        const float* r = sel_grid_row(p, SEL_GRID_ROW_TIES);
-        int n = 0;
-        for (int b = threadIdx.x; b < sb; b += 32) n += (int)__ldcg(r + b);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
-        if (threadIdx.x == 0) s_before = n;
-    }
-    __syncthreads();
-    const int n = s_before;
-    __syncthreads();
-    return n;
+    return (int)grid_row_sum(p, SEL_GRID_ROW_TIES, sb);
 }
 
 extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const SelectParams p) {
     extern __shared__ float sm[];
     // two arrays of `arr` floats: a block's values, then the merged candidates / draw tiles
-    const int arr = max(max(max(p.chunk, (int)gridDim.x * SEL_MAX_CAND), max((int)gridDim.x * SEL_MAX_LOGPROBS, (int)blockDim.x + 1)),
-                        p.sub_log2 > 0 ? 1 << p.sub_log2 : 0);
+    const int arr = max(max(p.chunk, (int)gridDim.x * SEL_MAX_CAND), max((int)gridDim.x * SEL_MAX_LOGPROBS, (int)blockDim.x + 1));
     float* raw = sm;       // [arr]
     float* zv = sm + arr;  // [arr]
     __shared__ float red[32];
@@ -959,9 +949,8 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
             gs_rule = r;
         }
         __syncthreads();
-        // this block's subtree (blocks past the NSUB subtrees hold none, and only take part in barriers)
+        // this block's subtree: its ids from first, its z values phase 1's (its chunk), −inf past V
         const int first = blockIdx.x * (1 << p.sub_log2) + threadIdx.x * sub_l;
-        // this block's z values: phase 1's (its chunk is its subtree), −inf past V
         float* zs = zv;
         // 3: top-p
         if (c.top_p < 1.0f && gs_mode == 0) {
@@ -1083,7 +1072,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
                     sel_grid_row(p, SEL_GRID_ROW_TIES)[blockIdx.x] = ties_f;
                 }
                 sel_grid_sync(p);
-                above = grid_row_sum(p, SEL_GRID_ROW_ABOVE, nsub) / total;
+                above = grid_row_sum(p, SEL_GRID_ROW_ABOVE, gridDim.x) / total;
                 if (threadIdx.x == 0) {
                     const float pv = expf(vmin - zmax) / total;
                     const float room = (c.top_p - above) / pv;

@@ -754,28 +754,7 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
             "attention decode (last attention layer, kv head 0)",
             attention,
         ),
-        ("select_lab_stamps", "token selection (the last step)", &[]),
     ] {
-        if global && kernel == "select_lab_stamps" {
-            out += &lab_global_report(
-                gpu,
-                kernel,
-                &[
-                    (0, "entry"),
-                    (1, "partial written (grid draw)"),
-                    (2, "first grid barrier passed"),
-                    (3, "candidates ranked (plain: z max read)"),
-                    (4, "top-p: total known"),
-                    (5, "top-p: nucleus bound found"),
-                    (6, "subtree roots written (barrier)"),
-                    (7, "last block: drawn"),
-                ],
-            )?;
-            continue;
-        }
-        if names.is_empty() {
-            continue;
-        }
         if global {
             if kernel == "matvec_tc_lab_stamps" {
                 out += &lab_global_report(
@@ -808,6 +787,23 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
                 out += &format!("  {name:<34} {median:7.2} {max:7.2}  ({warps} warps)\n");
             }
         }
+    }
+    if global {
+        // select.cu: every block of the grid draw, the phases of "sampling on the whole grid"
+        out += &lab_global_report(
+            gpu,
+            "select_lab_stamps",
+            &[
+                (0, "entry"),
+                (1, "partial written (grid draw)"),
+                (2, "first grid barrier passed"),
+                (3, "candidates ranked (plain: z max read)"),
+                (4, "top-p: total known"),
+                (5, "top-p: nucleus bound found"),
+                (6, "subtree roots written (barrier)"),
+                (7, "last block: drawn"),
+            ],
+        )?;
     }
     Ok(out)
 }

@@ -96,13 +96,12 @@ pub struct PenaltyParams {
     pub pad: i32,
 }
 
-/// Floats in each of select.cu's two shared arrays (`arr` there; `subtree`: 2^sub_log2 or 0).
-fn shared_floats(chunk: usize, blocks: usize, subtree: usize) -> usize {
+/// Floats in each of select.cu's two shared arrays (`arr` there).
+fn shared_floats(chunk: usize, blocks: usize) -> usize {
     chunk
         .max(blocks * MAX_CANDIDATES)
         .max(blocks * MAX_LOGPROBS)
         .max(THREADS as usize + 1)
-        .max(subtree)
 }
 
 /// select.cu's SEL_GRID_ROWS: the grid draw's per-block rows.
@@ -179,7 +178,7 @@ impl Selector {
             None => (default_blocks, vocab.div_ceil(default_blocks)),
         };
         ensure!(
-            weight_tree_fits(vocab, 2 * shared_floats(chunk, blocks, 0)),
+            weight_tree_fits(vocab, 2 * shared_floats(chunk, blocks)),
             "a vocabulary of {vocab} is too large for the CUDA sampler's weight tree"
         );
         Ok(Selector {
@@ -203,10 +202,10 @@ impl Selector {
         })
     }
 
-    /// Shared memory: two arrays of max(chunk, merged candidates, threads + 1, a subtree) floats.
+    /// Shared memory: two arrays of max(chunk, merged candidates, threads + 1) floats (with the grid
+    /// draw the chunk is the subtree, whose z values and then leaves stay in the second).
     fn smem(&self) -> usize {
-        let subtree = self.subtree.map_or(0, |l| 1usize << l);
-        2 * shared_floats(self.chunk, self.blocks, subtree) * 4
+        2 * shared_floats(self.chunk, self.blocks) * 4
     }
 
     /// The grid draw's subtree size (log2), where every block of the launch fits on the device at
@@ -424,7 +423,7 @@ mod tests {
             let blocks = vocab.div_ceil(1024).clamp(1, MAX_BLOCKS);
             let chunk = vocab.div_ceil(blocks);
             assert!(
-                weight_tree_fits(vocab, 2 * shared_floats(chunk, blocks, 0)),
+                weight_tree_fits(vocab, 2 * shared_floats(chunk, blocks)),
                 "{vocab}"
             );
         }
@@ -449,7 +448,8 @@ mod tests {
             if let Some(l) = got {
                 let subtrees = vocab.next_power_of_two() >> l;
                 assert!(subtrees <= blocks && subtrees.is_power_of_two(), "{vocab}");
-                assert!(shared_floats(vocab.div_ceil(blocks), blocks, 1 << l) >= 1 << l);
+                let grid_blocks = vocab.div_ceil(1 << l);
+                assert!(grid_blocks <= subtrees && shared_floats(1 << l, grid_blocks) >= 1 << l);
             }
         }
     }
