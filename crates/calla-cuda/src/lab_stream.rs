@@ -238,3 +238,81 @@ pub fn red_link(
     };
     Launch::new(gpu, "stream_red_link", (grid.max(1), 1, 1), THREADS, 0, &p)
 }
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProducerLink {
+    pub src: u64,
+    pub bytes: u64,
+    pub dep: i32,
+    pub pad: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProducerChainParams {
+    pub links: u64,
+    pub x: u64,
+    pub sync_counter: u64,
+    pub sync_opened: u64,
+    pub out: u64,
+    pub nlinks: i32,
+    pub xn: i32,
+    pub stages: i32,
+    pub work: i32,
+}
+
+/// Bytes per stage of stream_chain_producer's ring (PRODUCER_CHUNK), and its most stages.
+pub const PRODUCER_CHUNK: u32 = 16384;
+pub const PRODUCER_MAX_STAGES: u32 = 13;
+/// Threads per block of stream_chain_producer: 8 warps run the links, one streams.
+pub const PRODUCER_THREADS: u32 = 288;
+
+/// The synthetic decode chain as one persistent grid of one block per SM with a producer warp
+/// (lab_stream.cu stream_chain_producer): `links` holds [`ProducerLink`]s, `x` two buffers of `xn`
+/// f32, `sync` two zeroed u64 (a grid barrier's counter; never reset). The producer streams every
+/// link's bytes through `stages` × 16 KB of shared memory, ahead of the links' barriers except where
+/// a link names a `dep`; the links fold them with `work` FMAs per 32-bit word. One block per SM:
+/// `blocks` must be the SM count (all resident).
+#[allow(clippy::too_many_arguments)]
+pub fn chain_producer(
+    gpu: &Gpu,
+    links: DPtr,
+    nlinks: usize,
+    x: DPtr,
+    xn: usize,
+    sync: DPtr,
+    out: DPtr,
+    blocks: u32,
+    stages: u32,
+    work: u32,
+) -> Result<Launch> {
+    ensure!(
+        (1..=PRODUCER_MAX_STAGES).contains(&stages),
+        "chain_producer: {stages} stages (1..={PRODUCER_MAX_STAGES})"
+    );
+    let smem = stages * PRODUCER_CHUNK;
+    ensure!(
+        gpu.resident_blocks("stream_chain_producer", PRODUCER_THREADS, smem)? >= 1,
+        "chain_producer: a block of {smem} bytes of shared memory does not fit an SM"
+    );
+    let p = ProducerChainParams {
+        links: links.0,
+        x: x.0,
+        sync_counter: sync.0,
+        sync_opened: sync.0 + 8,
+        out: out.0,
+        nlinks: nlinks as i32,
+        xn: xn as i32,
+        stages: stages as i32,
+        work: work as i32,
+    };
+    Launch::new(
+        gpu,
+        "stream_chain_producer",
+        (blocks.max(1), 1, 1),
+        PRODUCER_THREADS,
+        smem,
+        &p,
+    )
+}

@@ -191,20 +191,11 @@ fn print_stamps(gpu: &Arc<Gpu>, kernel: &str, what: &str) {
     }
 }
 
-/// Lab (prints INFO rows, asserts nothing about speed): the floor of the decode step's structure.
-/// The 243 launches of one step at 4K context (Qwen3.6-35B-A3B, q4: their bytes and grids as
-/// `calla bench --profile` shows them) replaced by links that only stream their bytes, each
-/// reading the previous link's 8 KB output first as a decode kernel reads its input
-/// (lab_stream.cu stream_chain_link), captured as one graph. What the real step costs beyond this
-/// is its kernels' own work; what this costs beyond the bytes is the chain (docs/performance.md,
-/// "Session 7").
-#[test]
-#[ignore = "needs CUDA"]
-fn decode_chain_against_its_floor() {
-    let gpu = gpu();
-    let sms = gpu.sm_count as u32;
+/// The decode step at 4K as links (kind, bytes, grid): the real shape's bytes per kernel and the
+/// real kernels' grids (docs/performance.md, "Session 7").
+fn decode_step_links(sms: u32) -> Vec<(&'static str, usize, u32)> {
     let q4 = |rows: usize, cols: usize| rows * cols * 9 / 16; // 4 bits + (scale, bias) per 64
-    let mut links: Vec<(&str, usize, u32)> = vec![("embed", 16 << 10, 1)];
+    let mut links: Vec<(&'static str, usize, u32)> = vec![("embed", 16 << 10, 1)];
     for layer in 0..40 {
         if layer % 4 == 3 {
             links.push(("attention in-projection", q4(9216, 2048), 2 * sms));
@@ -225,6 +216,22 @@ fn decode_chain_against_its_floor() {
     }
     links.push(("lm_head", q4(248_320, 2048), 2 * sms));
     links.push(("token selection", 248_320 * 4, 64));
+    links
+}
+
+/// Lab (prints INFO rows, asserts nothing about speed): the floor of the decode step's structure.
+/// The 243 launches of one step at 4K context (Qwen3.6-35B-A3B, q4: their bytes and grids as
+/// `calla bench --profile` shows them) replaced by links that only stream their bytes, each
+/// reading the previous link's 8 KB output first as a decode kernel reads its input
+/// (lab_stream.cu stream_chain_link), captured as one graph. What the real step costs beyond this
+/// is its kernels' own work; what this costs beyond the bytes is the chain (docs/performance.md,
+/// "Session 7").
+#[test]
+#[ignore = "needs CUDA"]
+fn decode_chain_against_its_floor() {
+    let gpu = gpu();
+    let sms = gpu.sm_count as u32;
+    let links = decode_step_links(sms);
     let total: usize = links.iter().map(|l| l.1.div_ceil(16) * 16).sum();
 
     let mut arena = Arena::new(&gpu, total + (1 << 20));
@@ -489,6 +496,89 @@ fn decode_chain_against_its_floor() {
             &launches,
             bytes,
         );
+    }
+}
+
+/// Lab (prints INFO rows, asserts nothing about speed): the decode step's links as one persistent
+/// grid of one block per SM whose last warp streams every link's bytes into shared memory ahead of
+/// the links' grid barriers (lab_stream.cu stream_chain_producer), against the chain of launches
+/// above. The links are today's 203 (the router's rows in the out-projection's link); the routed
+/// experts' bytes (gate/up, down) wait for the routing link's barrier unless said. Rows by ring depth
+/// and by the arithmetic per word (docs/performance.md, "Session 16").
+#[test]
+#[ignore = "needs CUDA"]
+fn decode_chain_with_a_producer_warp() {
+    use calla_cuda::lab_stream::{chain_producer, ProducerLink, PRODUCER_MAX_STAGES};
+    let gpu = gpu();
+    let sms = gpu.sm_count as u32;
+    // today's 203 links: the router's rows go with the out-projection before them
+    let mut links: Vec<(&str, usize)> = Vec::new();
+    for (kind, bytes, _) in decode_step_links(sms) {
+        match (kind, links.last_mut()) {
+            ("router (q8)", Some(last)) => last.1 += bytes.div_ceil(16) * 16,
+            _ => links.push((kind, bytes.div_ceil(16) * 16)),
+        }
+    }
+    let total: usize = links.iter().map(|l| l.1).sum();
+    let mut arena = Arena::new(&gpu, total + (4 << 20));
+    let weights = arena.alloc(total).unwrap();
+    calla_cuda::synthetic::fill_f32(&gpu, weights, total / 4, -1.0, 1.0, 21).unwrap();
+    let xn = 2048;
+    let x2 = arena.alloc(2 * xn * 4).unwrap();
+    calla_cuda::synthetic::fill_f32(&gpu, x2, 2 * xn, -1.0, 1.0, 22).unwrap();
+    let sink = arena.alloc_zeroed(4).unwrap();
+    gpu.sync().unwrap();
+    let mut table = |routed_wait: bool| -> DPtr {
+        let mut offset = 0;
+        let mut routing = -1i32; // the link whose barrier makes the experts known
+        let rows: Vec<ProducerLink> = links
+            .iter()
+            .enumerate()
+            .map(|(i, &(kind, bytes))| {
+                let routed = kind.starts_with("MoE");
+                if kind.ends_with("out-projection") {
+                    routing = i as i32;
+                }
+                let link = ProducerLink {
+                    src: weights.offset(offset).0,
+                    bytes: bytes as u64,
+                    dep: if routed && routed_wait { routing } else { -1 },
+                    pad: 0,
+                };
+                offset += bytes;
+                link
+            })
+            .collect();
+        arena.upload(&rows).unwrap()
+    };
+    let (waiting, free) = (table(true), table(false));
+    gpu.sync().unwrap();
+    for (what, table) in [("experts after routing", waiting), ("no waits", free)] {
+        for stages in [4u32, 8, PRODUCER_MAX_STAGES] {
+            for work in [0u32, 6] {
+                let sync = arena.alloc_zeroed(16).unwrap();
+                let launch = chain_producer(
+                    &gpu,
+                    table,
+                    links.len(),
+                    x2,
+                    xn,
+                    sync,
+                    sink,
+                    sms,
+                    stages,
+                    work,
+                )
+                .unwrap();
+                let us = graph_us(&gpu, &[launch]);
+                println!(
+                    "| producer warp, {} links, {what:<22}, ring {stages:>2} × 16 KB, {work} FMA/word | {us:>7.1} µs per step | {:>6.1} tok/s | {:>5.0} GB/s | | INFO |",
+                    links.len(),
+                    1e6 / us,
+                    total as f64 / us / 1e3
+                );
+            }
+        }
     }
 }
 
