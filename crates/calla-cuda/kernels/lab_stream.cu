@@ -283,7 +283,8 @@ struct ProducerChainParams {
     u64 links; // ProducerLink [nlinks]
     u64 x;     // f32 [2][xn]
     GridSync sync;
-    u64 out; // u32, written only on a (never expected) magic value
+    u64 out;    // u32, written only on a (never expected) magic value
+    u64 stamps; // 0, or u64 [nlinks][4]: block 0's %globaltimer per link (below)
     int nlinks, xn, stages, work;
 };
 #define PRODUCER_CHUNK 16384
@@ -340,9 +341,17 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
     u32 c = 0, acc = 0;
     float fa = 1.0f, fb = 1.0f, fc = 1.0f, fd = 1.0f;
     const i64 stride = (i64)gridDim.x * PRODUCER_CONSUMERS, tid0 = (i64)blockIdx.x * PRODUCER_CONSUMERS + threadIdx.x;
+    // block 0, thread 0: the link's start, x summed, its chunks folded, its barrier passed
+    u64* stamp = p.stamps != 0 && blockIdx.x == 0 && threadIdx.x == 0 ? (u64*)p.stamps : nullptr;
+    auto now = []() {
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        return t;
+    };
     for (int l = 0; l < p.nlinks; ++l) {
         const float* x_in = (const float*)p.x + (l & 1) * p.xn;
         float* x_out = (float*)p.x + ((l + 1) & 1) * p.xn;
+        if (stamp) stamp[4 * l] = now();
         float ss = chain_input_sumsq(x_in, p.xn);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -351,6 +360,7 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
         ss = 0.0f;
 #pragma unroll
         for (int w = 0; w < PRODUCER_CONSUMERS / 32; ++w) ss += red[w];
+        if (stamp) stamp[4 * l + 1] = now();
         i64 begin, end;
         span(links[l], &begin, &end);
         for (i64 off = begin; off < end; off += PRODUCER_CHUNK, ++c) {
@@ -371,11 +381,13 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
             if ((threadIdx.x & 31) == 0) mbar_arrive(empty_s + 8 * s); // this warp has read stage s
         }
         for (i64 i = tid0; i < p.xn; i += stride) x_out[i] = 0.5f + 1e-30f * ss;
+        if (stamp) stamp[4 * l + 2] = now();
         // the grid barrier over the consumers (grid_barrier's, with a named barrier of 8 warps)
         consumers_sync();
         if (threadIdx.x == 0) {
             wait_until_at_least(p.sync.counter, grid_target(grid_arrive_count(p.sync)));
             passed = l;
+            if (stamp) stamp[4 * l + 3] = now();
         }
         consumers_sync();
     }
@@ -383,4 +395,4 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
 }
 #endif
 static_assert(sizeof(ProducerLink) == 24, "ProducerLink layout differs from its Rust twin");
-static_assert(sizeof(ProducerChainParams) == 56, "ProducerChainParams layout differs from its Rust twin");
+static_assert(sizeof(ProducerChainParams) == 64, "ProducerChainParams layout differs from its Rust twin");

@@ -256,6 +256,7 @@ pub struct ProducerChainParams {
     pub sync_counter: u64,
     pub sync_opened: u64,
     pub out: u64,
+    pub stamps: u64,
     pub nlinks: i32,
     pub xn: i32,
     pub stages: i32,
@@ -273,7 +274,8 @@ pub const PRODUCER_THREADS: u32 = 288;
 /// f32, `sync` two zeroed u64 (a grid barrier's counter; never reset). The producer streams every
 /// link's bytes through `stages` × 16 KB of shared memory, ahead of the links' barriers except where
 /// a link names a `dep`; the links fold them with `work` FMAs per 32-bit word. One block per SM:
-/// `blocks` must be the SM count (all resident).
+/// `blocks` must be the SM count (all resident). `stamps`: None, or u64 [nlinks][4] for block 0's
+/// %globaltimer at each link's start, x summed, chunks folded and barrier passed.
 #[allow(clippy::too_many_arguments)]
 pub fn chain_producer(
     gpu: &Gpu,
@@ -283,6 +285,7 @@ pub fn chain_producer(
     xn: usize,
     sync: DPtr,
     out: DPtr,
+    stamps: Option<DPtr>,
     blocks: u32,
     stages: u32,
     work: u32,
@@ -302,6 +305,7 @@ pub fn chain_producer(
         sync_counter: sync.0,
         sync_opened: sync.0 + 8,
         out: out.0,
+        stamps: stamps.map_or(0, |s| s.0),
         nlinks: nlinks as i32,
         xn: xn as i32,
         stages: stages as i32,

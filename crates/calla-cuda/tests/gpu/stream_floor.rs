@@ -527,8 +527,9 @@ fn decode_chain_with_a_producer_warp() {
     let x2 = arena.alloc(2 * xn * 4).unwrap();
     calla_cuda::synthetic::fill_f32(&gpu, x2, 2 * xn, -1.0, 1.0, 22).unwrap();
     let sink = arena.alloc_zeroed(4).unwrap();
+    let stamps = arena.alloc_zeroed(4 * 8 * links.len()).unwrap();
     gpu.sync().unwrap();
-    let mut table = |routed_wait: bool| -> DPtr {
+    let mut table = |routed_wait: bool, no_bytes: bool| -> DPtr {
         let mut offset = 0;
         let mut routing = -1i32; // the link whose barrier makes the experts known
         let rows: Vec<ProducerLink> = links
@@ -541,7 +542,7 @@ fn decode_chain_with_a_producer_warp() {
                 }
                 let link = ProducerLink {
                     src: weights.offset(offset).0,
-                    bytes: bytes as u64,
+                    bytes: if no_bytes { 16 } else { bytes as u64 },
                     dep: if routed && routed_wait { routing } else { -1 },
                     pad: 0,
                 };
@@ -551,11 +552,21 @@ fn decode_chain_with_a_producer_warp() {
             .collect();
         arena.upload(&rows).unwrap()
     };
-    let (waiting, free) = (table(true), table(false));
+    let (waiting, free, empty) = (table(true, false), table(false, false), table(false, true));
     gpu.sync().unwrap();
-    for (what, table) in [("experts after routing", waiting), ("no waits", free)] {
-        for stages in [4u32, 8, PRODUCER_MAX_STAGES] {
-            for work in [0u32, 6] {
+    // work: 2 FMAs per word cost about what a q4 product's dequantising costs (the FMA and two
+    // logic operations each: 6 instructions per 32-bit word)
+    for (what, table, rings) in [
+        ("no bytes (16 each)", empty, &[4u32][..]),
+        (
+            "experts after routing",
+            waiting,
+            &[4, 8, PRODUCER_MAX_STAGES][..],
+        ),
+        ("no waits", free, &[4, PRODUCER_MAX_STAGES][..]),
+    ] {
+        for &stages in rings {
+            for work in [0u32, 2] {
                 let sync = arena.alloc_zeroed(16).unwrap();
                 let launch = chain_producer(
                     &gpu,
@@ -565,6 +576,7 @@ fn decode_chain_with_a_producer_warp() {
                     xn,
                     sync,
                     sink,
+                    Some(stamps),
                     sms,
                     stages,
                     work,
@@ -576,6 +588,22 @@ fn decode_chain_with_a_producer_warp() {
                     links.len(),
                     1e6 / us,
                     total as f64 / us / 1e3
+                );
+                // block 0's phases of the last replay, medians over the links (µs)
+                let mut t = vec![0u64; 4 * links.len()];
+                gpu.dtoh(stamps, &mut t).unwrap();
+                let median = |k: usize| {
+                    let mut d: Vec<f64> = (0..links.len())
+                        .map(|l| (t[4 * l + k + 1] as f64 - t[4 * l + k] as f64) / 1e3)
+                        .collect();
+                    d.sort_by(|a, b| a.total_cmp(b));
+                    d[d.len() / 2]
+                };
+                println!(
+                    "|   block 0, median per link: x read and summed {:.2} µs, chunks folded {:.2}, grid barrier {:.2} | | | | | INFO |",
+                    median(0),
+                    median(1),
+                    median(2)
                 );
             }
         }
