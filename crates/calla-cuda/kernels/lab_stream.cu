@@ -265,7 +265,7 @@ static_assert(sizeof(RedLinkParams) == 64, "RedLinkParams layout differs from it
 
 // stream_chain_producer: the same chain as one resident grid of one block per SM whose last warp only
 // streams: it copies the block's span of every link's bytes, link after link, into a ring of
-// `stages` × PRODUCER_CHUNK bytes of shared memory by bulk copies, waiting only for a free stage,
+// `stages` × `chunk` bytes of shared memory by bulk copies, waiting only for a free stage,
 // never for the links' barriers. The other 8 warps run the links: wait for the previous link's grid
 // barrier, read x and sum it, fold the link's chunks as they land (with `work` FMAs per 32-bit word,
 // the arithmetic a q4 product spends on dequantising and multiplying), write x_out, arrive at the
@@ -286,9 +286,11 @@ struct ProducerChainParams {
     u64 out;    // u32, written only on a (never expected) magic value
     u64 stamps; // 0, or u64 [nlinks][4]: block 0's %globaltimer per link (below)
     int nlinks, xn, stages, work;
+    int chunk; // bytes per stage, a multiple of 16
+    int flags; // PRODUCER_NO_CHAIN: the links fold their chunks with no x and no barriers (the stream alone)
 };
-#define PRODUCER_CHUNK 16384
-#define PRODUCER_MAX_STAGES 13
+#define PRODUCER_MAX_STAGES 16
+#define PRODUCER_NO_CHAIN 1
 #define PRODUCER_CONSUMERS 256 // 8 warps; warp 8 is the producer
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(PRODUCER_CONSUMERS) : "memory"); }
@@ -312,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
         fence_mbar_init();
     }
     __syncthreads();
-    // the block's span of link l: a contiguous 1/grid of its bytes, in chunks of PRODUCER_CHUNK
+    // the block's span of link l: a contiguous 1/grid of its bytes, in chunks of p.chunk
     auto span = [&](const ProducerLink& L, i64* begin, i64* end) {
         const i64 per = (((i64)L.bytes / 16 + gridDim.x - 1) / gridDim.x) * 16;
         *begin = min((i64)L.bytes, (i64)blockIdx.x * per);
@@ -328,12 +330,12 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
                 }
             i64 begin, end;
             span(L, &begin, &end);
-            for (i64 off = begin; off < end; off += PRODUCER_CHUNK, ++c) {
+            for (i64 off = begin; off < end; off += p.chunk, ++c) {
                 const u32 s = c % S, round = c / S;
                 if (round > 0) mbar_wait(empty_s + 8 * s, (round - 1) & 1);
-                const u32 bytes = (u32)min((i64)PRODUCER_CHUNK, end - off);
+                const u32 bytes = (u32)min((i64)p.chunk, end - off);
                 mbar_arrive_expect_tx(full_s + 8 * s, bytes);
-                bulk_copy_g2s(ring_s + s * PRODUCER_CHUNK, (const void*)(L.src + off), bytes, full_s + 8 * s);
+                bulk_copy_g2s(ring_s + s * p.chunk, (const void*)(L.src + off), bytes, full_s + 8 * s);
             }
         }
         return;
@@ -352,23 +354,26 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
         const float* x_in = (const float*)p.x + (l & 1) * p.xn;
         float* x_out = (float*)p.x + ((l + 1) & 1) * p.xn;
         if (stamp) stamp[4 * l] = now();
-        float ss = chain_input_sumsq(x_in, p.xn);
+        const bool chain = (p.flags & PRODUCER_NO_CHAIN) == 0;
+        float ss = chain ? chain_input_sumsq(x_in, p.xn) : 0.0f;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-        consumers_sync();
-        ss = 0.0f;
+        if (chain) {
+            if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+            consumers_sync();
+            ss = 0.0f;
 #pragma unroll
-        for (int w = 0; w < PRODUCER_CONSUMERS / 32; ++w) ss += red[w];
+            for (int w = 0; w < PRODUCER_CONSUMERS / 32; ++w) ss += red[w];
+        }
         if (stamp) stamp[4 * l + 1] = now();
         i64 begin, end;
         span(links[l], &begin, &end);
-        for (i64 off = begin; off < end; off += PRODUCER_CHUNK, ++c) {
+        for (i64 off = begin; off < end; off += p.chunk, ++c) {
             const u32 s = c % S;
             mbar_wait(full_s + 8 * s, (c / S) & 1);
-            const i64 n = min((i64)PRODUCER_CHUNK, end - off);
+            const i64 n = min((i64)p.chunk, end - off);
             for (i64 i = 16 * (i64)threadIdx.x; i < n; i += 16 * PRODUCER_CONSUMERS) {
-                const uint4 v = *(const uint4*)(ring + s * PRODUCER_CHUNK + i);
+                const uint4 v = *(const uint4*)(ring + (i64)s * p.chunk + i);
                 acc ^= v.x ^ v.y ^ v.z ^ v.w;
                 for (int k = 0; k < p.work; ++k) { // independent chains, as a dequantise-and-multiply is
                     fa = fmaf(fa, __uint_as_float((v.x & 0x007fffffu) | 0x3f000000u), 1e-3f);
@@ -382,6 +387,10 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
         }
         for (i64 i = tid0; i < p.xn; i += stride) x_out[i] = 0.5f + 1e-30f * ss;
         if (stamp) stamp[4 * l + 2] = now();
+        if (!chain) {
+            if (stamp) stamp[4 * l + 3] = now();
+            continue;
+        }
         // the grid barrier over the consumers (grid_barrier's, with a named barrier of 8 warps)
         consumers_sync();
         if (threadIdx.x == 0) {
@@ -395,4 +404,4 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
 }
 #endif
 static_assert(sizeof(ProducerLink) == 24, "ProducerLink layout differs from its Rust twin");
-static_assert(sizeof(ProducerChainParams) == 64, "ProducerChainParams layout differs from its Rust twin");
+static_assert(sizeof(ProducerChainParams) == 72, "ProducerChainParams layout differs from its Rust twin");

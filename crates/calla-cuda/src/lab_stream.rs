@@ -261,19 +261,22 @@ pub struct ProducerChainParams {
     pub xn: i32,
     pub stages: i32,
     pub work: i32,
+    pub chunk: i32,
+    pub flags: i32,
 }
 
-/// Bytes per stage of stream_chain_producer's ring (PRODUCER_CHUNK), and its most stages.
-pub const PRODUCER_CHUNK: u32 = 16384;
-pub const PRODUCER_MAX_STAGES: u32 = 13;
+/// stream_chain_producer's most stages, and the most shared memory its ring may take.
+pub const PRODUCER_MAX_STAGES: u32 = 16;
+pub const PRODUCER_MAX_RING: u32 = 13 * 16384;
 /// Threads per block of stream_chain_producer: 8 warps run the links, one streams.
 pub const PRODUCER_THREADS: u32 = 288;
 
 /// The synthetic decode chain as one persistent grid of one block per SM with a producer warp
 /// (lab_stream.cu stream_chain_producer): `links` holds [`ProducerLink`]s, `x` two buffers of `xn`
 /// f32, `sync` two zeroed u64 (a grid barrier's counter; never reset). The producer streams every
-/// link's bytes through `stages` × 16 KB of shared memory, ahead of the links' barriers except where
-/// a link names a `dep`; the links fold them with `work` FMAs per 32-bit word. One block per SM:
+/// link's bytes through `stages` × `chunk` bytes of shared memory, ahead of the links' barriers
+/// except where a link names a `dep`; the links fold them with `work` FMAs per 32-bit word
+/// (`chain` false: and do nothing else, no x and no barriers: the stream alone). One block per SM:
 /// `blocks` must be the SM count (all resident). `stamps`: None, or u64 [nlinks][4] for block 0's
 /// %globaltimer at each link's start, x summed, chunks folded and barrier passed.
 #[allow(clippy::too_many_arguments)]
@@ -288,13 +291,19 @@ pub fn chain_producer(
     stamps: Option<DPtr>,
     blocks: u32,
     stages: u32,
+    chunk: u32,
     work: u32,
+    chain: bool,
 ) -> Result<Launch> {
+    let smem = stages * chunk;
     ensure!(
-        (1..=PRODUCER_MAX_STAGES).contains(&stages),
-        "chain_producer: {stages} stages (1..={PRODUCER_MAX_STAGES})"
+        (1..=PRODUCER_MAX_STAGES).contains(&stages)
+            && chunk.is_multiple_of(16)
+            && chunk > 0
+            && smem <= PRODUCER_MAX_RING,
+        "chain_producer: {stages} stages of {chunk} bytes (1..={PRODUCER_MAX_STAGES} stages, \
+         whole 16-byte words, at most {PRODUCER_MAX_RING} bytes)"
     );
-    let smem = stages * PRODUCER_CHUNK;
     ensure!(
         gpu.resident_blocks("stream_chain_producer", PRODUCER_THREADS, smem)? >= 1,
         "chain_producer: a block of {smem} bytes of shared memory does not fit an SM"
@@ -310,6 +319,8 @@ pub fn chain_producer(
         xn: xn as i32,
         stages: stages as i32,
         work: work as i32,
+        chunk: chunk as i32,
+        flags: if chain { 0 } else { 1 },
     };
     Launch::new(
         gpu,

@@ -508,7 +508,7 @@ fn decode_chain_against_its_floor() {
 #[test]
 #[ignore = "needs CUDA"]
 fn decode_chain_with_a_producer_warp() {
-    use calla_cuda::lab_stream::{chain_producer, ProducerLink, PRODUCER_MAX_STAGES};
+    use calla_cuda::lab_stream::{chain_producer, ProducerLink};
     let gpu = gpu();
     let sms = gpu.sm_count as u32;
     // today's 203 links: the router's rows go with the out-projection before them
@@ -554,19 +554,39 @@ fn decode_chain_with_a_producer_warp() {
     };
     let (waiting, free, empty) = (table(true, false), table(false, false), table(false, true));
     gpu.sync().unwrap();
+    // the same bytes by one kernel of loads (2 blocks per SM, 4 loads in flight): the read bandwidth
+    let read = stream_read(&gpu, weights, total, sink, 2 * sms, 4).unwrap();
+    let us = graph_us(&gpu, &[read]);
+    println!(
+        "| one kernel of loads, the step's bytes at once{:<40} | {us:>7.1} µs | | {:>5.0} GB/s | | INFO |",
+        "",
+        total as f64 / us / 1e3
+    );
     // work: 2 FMAs per word cost about what a q4 product's dequantising costs (the FMA and two
-    // logic operations each: 6 instructions per 32-bit word)
-    for (what, table, rings) in [
-        ("no bytes (16 each)", empty, &[4u32][..]),
+    // logic operations each: 6 instructions per 32-bit word). Rings: (stages, bytes per stage).
+    const K16: u32 = 16384;
+    let stream = [
+        (4, K16),
+        (13, K16),
+        (6, 2 * K16),
+        (3, 4 * K16),
+        (13, K16 / 2),
+    ];
+    let chains = [(4, K16), (13, K16), (6, 2 * K16)];
+    for (what, table, rings, works, chain) in [
+        ("the stream alone", free, &stream[..], &[0u32][..], false),
+        ("no bytes (16 each)", empty, &chains[..1], &[0][..], true),
         (
             "experts after routing",
             waiting,
-            &[4, 8, PRODUCER_MAX_STAGES][..],
+            &chains[..],
+            &[0, 2][..],
+            true,
         ),
-        ("no waits", free, &[4, PRODUCER_MAX_STAGES][..]),
+        ("no waits", free, &chains[..], &[0][..], true),
     ] {
-        for &stages in rings {
-            for work in [0u32, 2] {
+        for &(stages, chunk) in rings {
+            for &work in works {
                 let sync = arena.alloc_zeroed(16).unwrap();
                 let launch = chain_producer(
                     &gpu,
@@ -579,13 +599,16 @@ fn decode_chain_with_a_producer_warp() {
                     Some(stamps),
                     sms,
                     stages,
+                    chunk,
                     work,
+                    chain,
                 )
                 .unwrap();
                 let us = graph_us(&gpu, &[launch]);
                 println!(
-                    "| producer warp, {} links, {what:<22}, ring {stages:>2} × 16 KB, {work} FMA/word | {us:>7.1} µs per step | {:>6.1} tok/s | {:>5.0} GB/s | | INFO |",
+                    "| producer warp, {} links, {what:<22}, ring {stages:>2} × {:>2} KB, {work} FMA/word | {us:>7.1} µs per step | {:>6.1} tok/s | {:>5.0} GB/s | | INFO |",
                     links.len(),
+                    chunk / 1024,
                     1e6 / us,
                     total as f64 / us / 1e3
                 );
