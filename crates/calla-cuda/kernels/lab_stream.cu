@@ -284,13 +284,14 @@ struct ProducerChainParams {
     u64 x;     // f32 [2][xn]
     GridSync sync;
     u64 out;    // u32, written only on a (never expected) magic value
-    u64 stamps; // 0, or u64 [nlinks][4]: block 0's %globaltimer per link (below)
+    u64 stamps; // 0, or u64 [nlinks][6]: block 0's %globaltimer per link (below)
     int nlinks, xn, stages, work;
     int chunk; // bytes per stage, a multiple of 16
     int flags; // PRODUCER_NO_CHAIN: the links fold their chunks with no x and no barriers (the stream alone)
 };
 #define PRODUCER_MAX_STAGES 16
 #define PRODUCER_NO_CHAIN 1
+#define PRODUCER_POLL_SLEEP 2 // the barrier's poll sleeps 100 ns between loads (less traffic on its line)
 #define PRODUCER_CONSUMERS 256 // 8 warps; warp 8 is the producer
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(PRODUCER_CONSUMERS) : "memory"); }
@@ -320,8 +321,15 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
         *begin = min((i64)L.bytes, (i64)blockIdx.x * per);
         *end = min((i64)L.bytes, *begin + per);
     };
+    auto now = []() {
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        return t;
+    };
     if (threadIdx.x >= PRODUCER_CONSUMERS) { // the producer warp: lane 0 copies, the others idle
         if (threadIdx.x != PRODUCER_CONSUMERS) return;
+        // block 0: when the link's first and last chunks were issued
+        u64* pstamp = p.stamps != 0 && blockIdx.x == 0 ? (u64*)p.stamps : nullptr;
         u32 c = 0; // chunks issued so far
         for (int l = 0; l < p.nlinks; ++l) {
             const ProducerLink L = links[l];
@@ -336,6 +344,8 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
                 const u32 bytes = (u32)min((i64)p.chunk, end - off);
                 mbar_arrive_expect_tx(full_s + 8 * s, bytes);
                 bulk_copy_g2s(ring_s + s * p.chunk, (const void*)(L.src + off), bytes, full_s + 8 * s);
+                if (pstamp && off == begin) pstamp[6 * l + 4] = now();
+                if (pstamp && off + p.chunk >= end) pstamp[6 * l + 5] = now();
             }
         }
         return;
@@ -345,15 +355,10 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
     const i64 stride = (i64)gridDim.x * PRODUCER_CONSUMERS, tid0 = (i64)blockIdx.x * PRODUCER_CONSUMERS + threadIdx.x;
     // block 0, thread 0: the link's start, x summed, its chunks folded, its barrier passed
     u64* stamp = p.stamps != 0 && blockIdx.x == 0 && threadIdx.x == 0 ? (u64*)p.stamps : nullptr;
-    auto now = []() {
-        u64 t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        return t;
-    };
     for (int l = 0; l < p.nlinks; ++l) {
         const float* x_in = (const float*)p.x + (l & 1) * p.xn;
         float* x_out = (float*)p.x + ((l + 1) & 1) * p.xn;
-        if (stamp) stamp[4 * l] = now();
+        if (stamp) stamp[6 * l] = now();
         const bool chain = (p.flags & PRODUCER_NO_CHAIN) == 0;
         float ss = chain ? chain_input_sumsq(x_in, p.xn) : 0.0f;
 #pragma unroll
@@ -365,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
 #pragma unroll
             for (int w = 0; w < PRODUCER_CONSUMERS / 32; ++w) ss += red[w];
         }
-        if (stamp) stamp[4 * l + 1] = now();
+        if (stamp) stamp[6 * l + 1] = now();
         i64 begin, end;
         span(links[l], &begin, &end);
         for (i64 off = begin; off < end; off += p.chunk, ++c) {
@@ -386,17 +391,23 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
             if ((threadIdx.x & 31) == 0) mbar_arrive(empty_s + 8 * s); // this warp has read stage s
         }
         for (i64 i = tid0; i < p.xn; i += stride) x_out[i] = 0.5f + 1e-30f * ss;
-        if (stamp) stamp[4 * l + 2] = now();
+        if (stamp) stamp[6 * l + 2] = now();
         if (!chain) {
-            if (stamp) stamp[4 * l + 3] = now();
+            if (stamp) stamp[6 * l + 3] = now();
             continue;
         }
         // the grid barrier over the consumers (grid_barrier's, with a named barrier of 8 warps)
         consumers_sync();
         if (threadIdx.x == 0) {
-            wait_until_at_least(p.sync.counter, grid_target(grid_arrive_count(p.sync)));
+            const u64 target = grid_target(grid_arrive_count(p.sync));
+            if (p.flags & PRODUCER_POLL_SLEEP) {
+                while (ld_relaxed_u64(p.sync.counter) < target) __nanosleep(100);
+                asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            } else {
+                wait_until_at_least(p.sync.counter, target);
+            }
             passed = l;
-            if (stamp) stamp[4 * l + 3] = now();
+            if (stamp) stamp[6 * l + 3] = now();
         }
         consumers_sync();
     }

@@ -277,8 +277,10 @@ pub const PRODUCER_THREADS: u32 = 288;
 /// link's bytes through `stages` × `chunk` bytes of shared memory, ahead of the links' barriers
 /// except where a link names a `dep`; the links fold them with `work` FMAs per 32-bit word
 /// (`chain` false: and do nothing else, no x and no barriers: the stream alone). One block per SM:
-/// `blocks` must be the SM count (all resident). `stamps`: None, or u64 [nlinks][4] for block 0's
-/// %globaltimer at each link's start, x summed, chunks folded and barrier passed.
+/// `blocks` must be the SM count (all resident). `stamps`: None, or u64 [nlinks][6] for block 0's
+/// %globaltimer at each link's start, x summed, chunks folded and barrier passed, and when its
+/// producer issued the link's first and last chunk. `poll_sleep`: the barrier's poll sleeps 100 ns
+/// between loads.
 #[allow(clippy::too_many_arguments)]
 pub fn chain_producer(
     gpu: &Gpu,
@@ -294,6 +296,7 @@ pub fn chain_producer(
     chunk: u32,
     work: u32,
     chain: bool,
+    poll_sleep: bool,
 ) -> Result<Launch> {
     let smem = stages * chunk;
     ensure!(
@@ -320,7 +323,7 @@ pub fn chain_producer(
         stages: stages as i32,
         work: work as i32,
         chunk: chunk as i32,
-        flags: if chain { 0 } else { 1 },
+        flags: if chain { 0 } else { 1 } | if poll_sleep { 2 } else { 0 },
     };
     Launch::new(
         gpu,

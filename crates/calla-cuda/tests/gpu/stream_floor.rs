@@ -527,7 +527,7 @@ fn decode_chain_with_a_producer_warp() {
     let x2 = arena.alloc(2 * xn * 4).unwrap();
     calla_cuda::synthetic::fill_f32(&gpu, x2, 2 * xn, -1.0, 1.0, 22).unwrap();
     let sink = arena.alloc_zeroed(4).unwrap();
-    let stamps = arena.alloc_zeroed(4 * 8 * links.len()).unwrap();
+    let stamps = arena.alloc_zeroed(6 * 8 * links.len()).unwrap();
     gpu.sync().unwrap();
     let mut table = |routed_wait: bool, no_bytes: bool| -> DPtr {
         let mut offset = 0;
@@ -565,27 +565,16 @@ fn decode_chain_with_a_producer_warp() {
     // work: 2 FMAs per word cost about what a q4 product's dequantising costs (the FMA and two
     // logic operations each: 6 instructions per 32-bit word). Rings: (stages, bytes per stage).
     const K16: u32 = 16384;
-    let stream = [
-        (4, K16),
-        (13, K16),
-        (6, 2 * K16),
-        (3, 4 * K16),
-        (13, K16 / 2),
-    ];
-    let chains = [(4, K16), (13, K16), (6, 2 * K16)];
-    for (what, table, rings, works, chain) in [
-        ("the stream alone", free, &stream[..], &[0u32][..], false),
-        ("no bytes (16 each)", empty, &chains[..1], &[0][..], true),
-        (
-            "experts after routing",
-            waiting,
-            &chains[..],
-            &[0, 2][..],
-            true,
-        ),
-        ("no waits", free, &chains[..], &[0][..], true),
+    let ring = [(13, K16)];
+    for (what, table, works, chain, poll_sleep) in [
+        ("the stream alone", free, &[0u32][..], false, false),
+        ("no bytes (16 each)", empty, &[0][..], true, false),
+        ("experts after routing", waiting, &[0, 2][..], true, false),
+        ("no waits", free, &[0][..], true, false),
+        ("no waits, polls sleep", free, &[0][..], true, true),
+        ("no bytes, polls sleep", empty, &[0][..], true, true),
     ] {
-        for &(stages, chunk) in rings {
+        for &(stages, chunk) in &ring {
             for &work in works {
                 let sync = arena.alloc_zeroed(16).unwrap();
                 let launch = chain_producer(
@@ -602,6 +591,7 @@ fn decode_chain_with_a_producer_warp() {
                     chunk,
                     work,
                     chain,
+                    poll_sleep,
                 )
                 .unwrap();
                 let us = graph_us(&gpu, &[launch]);
@@ -612,21 +602,25 @@ fn decode_chain_with_a_producer_warp() {
                     1e6 / us,
                     total as f64 / us / 1e3
                 );
-                // block 0's phases of the last replay, medians over the links (µs)
-                let mut t = vec![0u64; 4 * links.len()];
+                // block 0's phases of the last replay, medians over the links (µs); the
+                // producer's lead: how long before the link's start it issued its first / last chunk
+                let mut t = vec![0u64; 6 * links.len()];
                 gpu.dtoh(stamps, &mut t).unwrap();
-                let median = |k: usize| {
-                    let mut d: Vec<f64> = (0..links.len())
-                        .map(|l| (t[4 * l + k + 1] as f64 - t[4 * l + k] as f64) / 1e3)
-                        .collect();
+                let median = |f: &dyn Fn(usize) -> f64| {
+                    let mut d: Vec<f64> = (0..links.len()).map(f).collect();
                     d.sort_by(|a, b| a.total_cmp(b));
                     d[d.len() / 2]
                 };
+                let gap = |l: usize, a: usize, b: usize| {
+                    (t[6 * l + b] as f64 - t[6 * l + a] as f64) / 1e3
+                };
                 println!(
-                    "|   block 0, median per link: x read and summed {:.2} µs, chunks folded {:.2}, grid barrier {:.2} | | | | | INFO |",
-                    median(0),
-                    median(1),
-                    median(2)
+                    "|   block 0, median per link: x read and summed {:.2} µs, chunks folded {:.2}, grid barrier {:.2}; first chunk issued {:.2} µs before the link's start, last {:.2} | | | | | INFO |",
+                    median(&|l| gap(l, 0, 1)),
+                    median(&|l| gap(l, 1, 2)),
+                    median(&|l| gap(l, 2, 3)),
+                    median(&|l| gap(l, 4, 0)),
+                    median(&|l| gap(l, 5, 0)),
                 );
             }
         }
