@@ -284,7 +284,8 @@ struct ProducerChainParams {
     u64 x;     // f32 [2][xn]
     GridSync sync;
     u64 out;    // u32, written only on a (never expected) magic value
-    u64 stamps; // 0, or u64 [nlinks][6]: block 0's %globaltimer per link (below)
+    u64 stamps; // 0, or u64 [nlinks][6]: block 0's %globaltimer per link (below), then
+                // u64 [nlinks][grid]: every block's arrival at each link's barrier
     int nlinks, xn, stages, work;
     int chunk; // bytes per stage, a multiple of 16
     int flags; // PRODUCER_NO_CHAIN: the links fold their chunks with no x and no barriers (the stream alone)
@@ -399,6 +400,7 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_CONSUMERS + 32, 1) stream_
         // the grid barrier over the consumers (grid_barrier's, with a named barrier of 8 warps)
         consumers_sync();
         if (threadIdx.x == 0) {
+            if (p.stamps != 0) ((u64*)p.stamps)[6 * p.nlinks + (i64)l * gridDim.x + blockIdx.x] = now();
             const u64 target = grid_target(grid_arrive_count(p.sync));
             if (p.flags & PRODUCER_POLL_SLEEP) {
                 while (ld_relaxed_u64(p.sync.counter) < target) __nanosleep(100);

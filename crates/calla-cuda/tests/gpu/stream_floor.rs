@@ -527,7 +527,9 @@ fn decode_chain_with_a_producer_warp() {
     let x2 = arena.alloc(2 * xn * 4).unwrap();
     calla_cuda::synthetic::fill_f32(&gpu, x2, 2 * xn, -1.0, 1.0, 22).unwrap();
     let sink = arena.alloc_zeroed(4).unwrap();
-    let stamps = arena.alloc_zeroed(6 * 8 * links.len()).unwrap();
+    let stamps = arena
+        .alloc_zeroed((6 + sms as usize) * 8 * links.len())
+        .unwrap();
     gpu.sync().unwrap();
     let mut table = |routed_wait: bool, no_bytes: bool| -> DPtr {
         let mut offset = 0;
@@ -604,8 +606,10 @@ fn decode_chain_with_a_producer_warp() {
                 );
                 // block 0's phases of the last replay, medians over the links (µs); the
                 // producer's lead: how long before the link's start it issued its first / last chunk
-                let mut t = vec![0u64; 6 * links.len()];
+                let mut t = vec![0u64; (6 + sms as usize) * links.len()];
                 gpu.dtoh(stamps, &mut t).unwrap();
+                // every block's arrival at link l's barrier: the last one, against block 0's
+                let arrivals = |l: usize| &t[6 * links.len() + l * sms as usize..][..sms as usize];
                 let median = |f: &dyn Fn(usize) -> f64| {
                     let mut d: Vec<f64> = (0..links.len()).map(f).collect();
                     d.sort_by(|a, b| a.total_cmp(b));
@@ -615,10 +619,16 @@ fn decode_chain_with_a_producer_warp() {
                     (t[6 * l + b] as f64 - t[6 * l + a] as f64) / 1e3
                 };
                 println!(
-                    "|   block 0, median per link: x read and summed {:.2} µs, chunks folded {:.2}, grid barrier {:.2}; first chunk issued {:.2} µs before the link's start, last {:.2} | | | | | INFO |",
+                    "|   block 0, median per link: x read and summed {:.2} µs, chunks folded {:.2}, grid barrier {:.2} (last block's arrival after block 0's {:.2}, block 0 passed {:.2} after it); first chunk issued {:.2} µs before the link's start, last {:.2} | | | | | INFO |",
                     median(&|l| gap(l, 0, 1)),
                     median(&|l| gap(l, 1, 2)),
                     median(&|l| gap(l, 2, 3)),
+                    median(&|l| (*arrivals(l).iter().max().unwrap() as f64
+                        - arrivals(l)[0] as f64)
+                        / 1e3),
+                    median(&|l| (t[6 * l + 3] as f64
+                        - *arrivals(l).iter().max().unwrap() as f64)
+                        / 1e3),
                     median(&|l| gap(l, 4, 0)),
                     median(&|l| gap(l, 5, 0)),
                 );
