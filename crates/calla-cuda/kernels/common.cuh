@@ -33,12 +33,22 @@ typedef long long i64;
 __device__ __forceinline__ float bf16_to_f32(u32 bits16) { return __uint_as_float(bits16 << 16); }
 __device__ __forceinline__ float bf16_lo(u32 pair) { return __uint_as_float(pair << 16); }
 __device__ __forceinline__ float bf16_hi(u32 pair) { return __uint_as_float(pair & 0xffff0000u); }
-// Round to nearest even, NaN kept quiet (as torch does).
+// Round to nearest even, NaN kept quiet (the hardware's canonical 0x7fff; torch writes 0x7fc0), one
+// conversion instruction. The integer form (x + 0x7fff + lsb, NaN tested first) rounds every other
+// value to the same bits but cost ~6 instructions per value, which made the decode kernels' input
+// staging a third of some kernels' instructions (Nsight Compute, docs/performance.md "Session 16");
+// lab LAB_SOFT_BF16 keeps it.
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
+#if defined(LAB_SOFT_BF16)
     u32 x = __float_as_uint(f);
     if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)0x7fc0;
     x += 0x7fffu + ((x >> 16) & 1u);
     return (u16)(x >> 16);
+#else
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+#endif
 }
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;

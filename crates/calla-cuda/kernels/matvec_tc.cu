@@ -49,9 +49,18 @@
 #define MTC_WARPS 8
 
 // The bf16 pair (1 + q_p/16, 1 + q_{p+4}/16) of nibbles p and p + 4 of `word` (p = 0..3).
+// (at3 & mask) | one in a single LOP3 with both constants in registers: written plainly, the compiler
+// emits two (a LOP3 takes one immediate), three instructions per A register instead of two (lab
+// MTC_LAB_TWO_LOP keeps the plain form).
 __device__ __forceinline__ u32 q4_pair_one_plus(u32 word, int p) {
     const u32 at3 = p == 0 ? word << 3 : word >> (4 * p - 3); // nibble p at bits 3..6, p + 4 at 19..22
+#if defined(MTC_LAB_TWO_LOP)
     return (at3 & 0x00780078u) | 0x3F803F80u;
+#else
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(at3), "r"(0x00780078u), "r"(0x3F803F80u)); // (a & b) | c
+    return r;
+#endif
 }
 
 // The weight loads of common.cuh (ldg16, ldg8), but `volatile`: they stay after the x loads that
@@ -112,23 +121,28 @@ __device__ __forceinline__ void tc_row_fragments(const u8* data, const u8* prm, 
 // is 8 consecutive words held by 8 consecutive lanes, so every lane of the warp must call this
 // (`valid` false: the word does not exist, nothing is written).
 __device__ __forceinline__ void tc_stage_word(int wi, bool valid, const float (&x)[8], uint4* bfrag, float* gsum) {
+    // hp[j], lp[j]: the bf16 pairs (value j, value j + 4), as mma 2w and 2w + 1 read them
+    u32 hp[4], lp[4];
     float hi[8], lo[8], sum = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        hi[i] = bf16_to_f32(f32_to_bf16(x[i]));
-        lo[i] = bf16_to_f32(f32_to_bf16(x[i] - hi[i]));
-        sum += hi[i] + lo[i];
+    for (int j = 0; j < 4; ++j) {
+        hp[j] = pack_bf16(x[j], x[j + 4]);
+        hi[j] = bf16_lo(hp[j]);
+        hi[j + 4] = bf16_hi(hp[j]);
+        lp[j] = pack_bf16(x[j] - hi[j], x[j + 4] - hi[j + 4]);
+        lo[j] = bf16_lo(lp[j]);
+        lo[j + 4] = bf16_hi(lp[j]);
     }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += hi[i] + lo[i];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     sum += __shfl_xor_sync(0xffffffffu, sum, 4);
     if (valid) {
         const int slot = ((wi >> 4) * 4 + (wi & 3)) * 4 + ((wi >> 2) & 3);
         // mma 2w: (p0, p4), (p1, p5); mma 2w + 1: (p2, p6), (p3, p7)
-        bfrag[slot * 2 + 0] = make_uint4(pack_bf16(hi[0], hi[4]), pack_bf16(hi[1], hi[5]),
-                                         pack_bf16(hi[2], hi[6]), pack_bf16(hi[3], hi[7]));
-        bfrag[slot * 2 + 1] = make_uint4(pack_bf16(lo[0], lo[4]), pack_bf16(lo[1], lo[5]),
-                                         pack_bf16(lo[2], lo[6]), pack_bf16(lo[3], lo[7]));
+        bfrag[slot * 2 + 0] = make_uint4(hp[0], hp[1], hp[2], hp[3]);
+        bfrag[slot * 2 + 1] = make_uint4(lp[0], lp[1], lp[2], lp[3]);
         if ((wi & 7) == 0) gsum[wi >> 3] = sum;
     }
 }

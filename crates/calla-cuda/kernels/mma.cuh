@@ -63,16 +63,20 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two f32 → packed bf16 pair (low half = first), round to nearest even.
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
-}
-
 // Two f32 → packed bf16 pair (low half = lo), one hardware conversion (round to nearest even).
 __device__ __forceinline__ u32 cvt_bf16x2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); // first source → upper half
     return r;
+}
+
+// Two f32 → packed bf16 pair (low half = first), round to nearest even (f32_to_bf16's bits).
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+#if defined(LAB_SOFT_BF16)
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+#else
+    return cvt_bf16x2(lo, hi);
+#endif
 }
 
 // The split of an f32 into bf16 hi + bf16 lo (v ≈ hi + lo to ~16 bits of mantissa): "split"
