@@ -37,9 +37,9 @@ __device__ __forceinline__ float bf16_hi(u32 pair) { return __uint_as_float(pair
 // conversion instruction. The integer form (x + 0x7fff + lsb, NaN tested first) rounds every other
 // value to the same bits but cost ~6 instructions per value, which made the decode kernels' input
 // staging a third of some kernels' instructions (Nsight Compute, docs/performance.md "Session 16");
-// lab LAB_SOFT_BF16 keeps it.
+// lab LAB_SOFT_BF16 keeps it (as do GPUs before sm_80, which lack the instruction).
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
-#if defined(LAB_SOFT_BF16)
+#if defined(LAB_SOFT_BF16) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
     u32 x = __float_as_uint(f);
     if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)0x7fc0;
     x += 0x7fffu + ((x >> 16) & 1u);
