@@ -848,16 +848,20 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     // chunk q: its slot (index from slot_begin) and its chunk inside the slot's row
     // (q / cr without the ~25-instruction integer division, which Nsight Compute counted in every
     // staged word's and chunk's slot_of: the f32 quotient is within one, then corrected; exact for
-    // q < 2^22. Lab MTC_LAB_INT_DIV keeps the division.)
-    const float cr_rcp = 1.0f / (float)cr;
+    // q < 2^22. Taken only below n_routed·cr, so cr ≥ 1 there (a dense MLP has no routed slots and
+    // cr = 0). Lab MTC_LAB_INT_DIV keeps the division.)
+    const float cr_rcp = 1.0f / (float)max(cr, 1);
     auto slot_of = [&](int q, int& s, int& kc) {
 #if defined(MTC_LAB_INT_DIV)
         s = q < n_routed * cr ? q / cr : n_routed;
 #else
-        s = __float2int_rz((float)q * cr_rcp);
-        s -= s * cr > q;
-        s += (s + 1) * cr <= q;
-        s = min(s, n_routed);
+        if (q < n_routed * cr) {
+            s = __float2int_rz((float)q * cr_rcp);
+            s -= s * cr > q;
+            s += (s + 1) * cr <= q;
+        } else {
+            s = n_routed;
+        }
 #endif
         kc = q - s * cr;
     };
