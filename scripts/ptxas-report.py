@@ -4,6 +4,7 @@
 Compiles kernels/<name>.cu (prefixed with common.cuh, as the engine does) with the NVRTC wheel that
 scripts/ci-nvrtc-check.sh installs, for sm_90a, with ptxas in verbose mode, and prints its report.
   usage: scripts/ptxas-report.py matvec [moe …]   (uses .venv-nvrtc)
+  DEFS=A,B=1 adds defines; CUBIN_OUT=DIR also writes DIR/<name>.cubin (for nvdisasm -c).
 """
 import ctypes, glob, pathlib, re, sys
 
@@ -35,6 +36,12 @@ for name in sys.argv[1:]:
     if rc != 0:
         print(text)
         sys.exit(f"{name}.cu: compile failed")
+    if __import__("os").environ.get("CUBIN_OUT"):  # the machine code too, for nvdisasm -c
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetCUBIN(prog, buf)
+        (pathlib.Path(__import__("os").environ["CUBIN_OUT"]) / f"{name}.cubin").write_bytes(buf.raw)
     fn = None
     for line in text.splitlines():
         m = re.search(r"Compiling entry function '(\w+)'", line)

@@ -288,6 +288,23 @@ __device__ __forceinline__ float ldcg_f32(const float* p) {
     return v;
 }
 
+// q / d for 0 ≤ q < 2^21 and d ≥ 1 (tile and chunk indices), without the ~25-instruction integer
+// division (IABS, I2F.RP, …) that Nsight Compute counted in the decode products' index arithmetic:
+// the f32 quotient by an approximate reciprocal is within one of the true one (relative error
+// < 2^-21 against a quotient < 2^21), then corrected.
+__device__ __forceinline__ int div_small(int q, int d) {
+    float rcp;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(rcp) : "f"((float)d));
+    int s = __float2int_rz((float)q * rcp);
+    s -= s * d > q;
+    s += (s + 1) * d <= q;
+    return s;
+}
+
+// a·b for a row index and a row's bytes (both < 2^32, non-negative): one 32 × 32 → 64-bit multiply
+// (IMAD.WIDE.U32), where an i64 product of sign-extended ints takes three or more.
+__device__ __forceinline__ u64 wide_mul(u32 a, u32 b) { return (u64)a * b; }
+
 // The code q (0..15 or 0..255) as a float without the quarter-rate integer conversion: the bits
 // 0x4B000000 | q are the float 2^23 + q exactly, and subtracting 2^23 leaves q exactly.
 __device__ __forceinline__ float code_to_f32(u32 q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
@@ -847,35 +864,49 @@ __device__ __forceinline__ void route_acc_clear(const DownParams& p) {
 // that beats a top-A logit is itself top-A, so a candidate). The second round gives each candidate 4
 // threads, a quarter of the candidates each, summed by shuffles. At E 256, A 8: 32 + 16 compares per
 // thread, where one round of ranks over all E took 256 (~2 µs of the router's 9, docs/performance.md).
-// cand: shared [SEL_CAND_LEN] (value, id bits) pairs, 16-byte aligned. Ends with a barrier.
+// cand: shared [SEL_CAND_LEN] keys (sel_key), 16-byte aligned. Ends with a barrier.
 //   sel_id[k], sel_l[k] = the k-th expert and its logit.
 // Thread t reads and writes only the logits e ≡ t (mod blockDim) before the first round, so a segment
 // of 32 is a warp's own (blockDim % 32 == 0): the first round needs no block barrier (session 12).
 // Hooks for a caller's own work between the barriers (gate/up stages x̂ there, so that its products
 // need no barriers of their own): `pre` runs in every thread before the candidates' barrier (what it
 // writes to shared memory is published by it), `mid` after it, before the last barrier.
+// The second round compares (logit, id) keys: 4 instructions per compare where the float compare
+// with the id's tie-break took 6 (Nsight Compute, session 17). The first round keeps its float compares
+// with the lane's tie-break: counting by compare masks with the ties from one warp match was slower
+// (gate/up +0.5 µs per launch: MATCH.ANY issues slowly, in all 16 warps of an SM at once).
 #define SEL_CAND_LEN (ROUTE_MAX_CAND + 8)
-__device__ __forceinline__ int sel_beats(float w, float w_id, float v, int id) {
-    return (w > v) | ((w == v) & (__float_as_int(w_id) < id));
+// A (logit, id) as one u64 that orders as the ranks do: the larger logit first, then the lower id. The
+// float's bits made monotone (non-negative: sign bit set; negative: every bit flipped); select_top
+// makes −0 into +0 and NaN into −∞ first, so equal keys are equal logits and ids.
+__device__ __forceinline__ u64 sel_key(float v, int id) {
+    const u32 b = __float_as_uint(v);
+    return ((u64)(b ^ ((u32)((int)b >> 31) | 0x80000000u)) << 32) | (u32)~id;
 }
+__device__ __forceinline__ float sel_key_logit(u64 k) {
+    const u32 ord = (u32)(k >> 32);
+    return __uint_as_float(ord & 0x80000000u ? ord ^ 0x80000000u : ~ord);
+}
+__device__ __forceinline__ int sel_key_id(u64 k) { return (int)~(u32)k; }
 struct NoHook {
     __device__ void operator()() const {}
 };
 template <typename Pre = NoHook, typename Mid = NoHook>
-__device__ __forceinline__ void select_top(float* sl, int E, int A, float2* cand, int* sel_id, float* sel_l,
+__device__ __forceinline__ void select_top(float* sl, int E, int A, u64* cand, int* sel_id, float* sel_l,
                                            const Pre& pre = Pre{}, const Mid& mid = Mid{}) {
     const int Es = (E + 31) & ~31, keep = min(A, 32);
     for (int e = threadIdx.x; e < Es; e += blockDim.x) {
         const float v = e < E ? sl[e] : NEG_INF;
-        sl[e] = v == v ? v : NEG_INF;
+        sl[e] = v == v ? v + 0.0f : NEG_INF; // + 0: −0 becomes +0, so equal logits have equal keys
     }
     const int C = (Es >> 5) * keep, C8 = (C + 7) & ~7; // candidates, padded to a multiple of 8
-    if (threadIdx.x < C8 - C) cand[C + threadIdx.x] = make_float2(NEG_INF, __int_as_float(0x7fffffff)); // beat no one
+    const u64 nobody = sel_key(NEG_INF, 0x7fffffff);   // beats no one (ids ≥ 0 win its ties)
+    if (threadIdx.x < C8 - C) cand[C + threadIdx.x] = nobody;
     __syncwarp();
     for (int e = threadIdx.x; e < Es; e += blockDim.x) { // a warp takes whole segments (blockDim % 32 == 0)
         const float v = sl[e];
-        const int i = e & 31;
         const float4* seg = (const float4*)(sl + (e & ~31));
+        const int i = e & 31;
         int r0 = 0, r1 = 0, r2 = 0, r3 = 0;
 #pragma unroll
         for (int o4 = 0; o4 < 8; ++o4) {
@@ -887,7 +918,7 @@ __device__ __forceinline__ void select_top(float* sl, int E, int A, float2* cand
             r3 += (w.w > v) | ((w.w == v) & (o + 3 < i));
         }
         const int r = r0 + r1 + r2 + r3;
-        if (r < keep) cand[(e >> 5) * keep + r] = make_float2(v, __int_as_float(e));
+        if (r < keep) cand[(e >> 5) * keep + r] = sel_key(v, e);
     }
     pre();
     __syncthreads();
@@ -895,27 +926,21 @@ __device__ __forceinline__ void select_top(float* sl, int E, int A, float2* cand
     const int quarter = C8 / 4; // even: two candidates per 16-byte load
     for (int c0 = 0; c0 < C; c0 += blockDim.x / 4) { // uniform: every lane reaches the shuffles
         const int c = c0 + threadIdx.x / 4, part = threadIdx.x & 3;
-        float v = NEG_INF;
-        int id = 0x7fffffff;
-        if (c < C) {
-            const float2 me = cand[c];
-            v = me.x;
-            id = __float_as_int(me.y);
-        }
-        const float4* q = (const float4*)(cand + part * quarter);
+        const u64 me = c < C ? cand[c] : nobody;
+        const ulonglong2* q = (const ulonglong2*)(cand + part * quarter);
         int r0 = 0, r1 = 0;
 #pragma unroll 4
         for (int o = 0; o < quarter / 2; ++o) {
-            const float4 w = q[o];
-            r0 += sel_beats(w.x, w.y, v, id);
-            r1 += sel_beats(w.z, w.w, v, id);
+            const ulonglong2 w = q[o];
+            r0 += w.x > me;
+            r1 += w.y > me;
         }
         int rank = r0 + r1;
         rank += __shfl_xor_sync(0xffffffffu, rank, 1);
         rank += __shfl_xor_sync(0xffffffffu, rank, 2);
         if (part == 0 && c < C && rank < A) {
-            sel_id[rank] = id;
-            sel_l[rank] = v;
+            sel_id[rank] = sel_key_id(me);
+            sel_l[rank] = sel_key_logit(me);
         }
     }
     __syncthreads();
@@ -957,7 +982,7 @@ __device__ __forceinline__ float route_load_logits(const RouteParams& r, float* 
 //   otherwise: w_k = p_k = exp(l_k − max) / Σ_e exp(l_e − max) over all E; max = the top logit.
 template <bool TAIL_SYNC = true, typename Pre = NoHook, typename Mid = NoHook>
 __device__ __forceinline__ void route_select(const RouteParams& r, float* sl, float gate_logit, int* sel_id,
-                                             float* sel_p, float* red, float2* cand, bool publish,
+                                             float* sel_p, float* red, u64* cand, bool publish,
                                              const Pre& pre = Pre{}, const Mid& mid = Mid{}) {
     select_top(sl, r.E, r.A, cand, sel_id, sel_p, pre, mid); // sel_p holds the selected logits for now
     if (r.norm_topk) {

@@ -97,9 +97,10 @@ template <int CW, typename Ld16, typename Ld8>
 __device__ __forceinline__ void tc_row_fragments(const u8* data, const u8* prm, int warp, int c, int h,
                                                  uint4 (&cd)[CW][2], u32 (&pr)[2 * CW], const Ld16& ld16,
                                                  const Ld8& ld8) {
-    prm += 2 * warp * CW * 4;
+    // unsigned offsets: added without sign extension
+    prm += (u32)(2 * warp * CW * 4);
 #pragma unroll
-    for (int ch = 0; ch < CW; ++ch) cd[ch][h] = ld16(data + (warp * CW + ch) * 64 + c * 16);
+    for (int ch = 0; ch < CW; ++ch) cd[ch][h] = ld16(data + (u32)((warp * CW + ch) * 64 + c * 16));
     if (CW == 1) {
         const uint2 v = ld8(prm);
         pr[0] = v.x;
@@ -325,12 +326,30 @@ struct MatvecMapT {
         for (int c = 0; c < CW; ++c)
             sc[c] = 1.0f / sqrtf(__shfl_sync(0xffffffffu, v, 8 * c) / (float)tp.head_dim + p.eps);
     }
+    // Row r of tile t. Addresses by 32 × 32 → 64-bit multiply-adds (a row's bytes, K/2, and its index
+    // fit 32 bits): the i64 products were ~9 instructions per address (Nsight Compute, session 17).
     __device__ void row(int t, int r, const u8*& data, const u8*& prm) const {
         int seg, local;
         matvec_locate(p, min(16 * t + r, p.total_rows - 1), seg, local); // past the end: the last row again
         const MatrixRef& m = p.seg[seg].m;
-        data = (const u8*)m.data + (i64)local * m.row_bytes;
-        prm = (const u8*)m.params + (i64)local * m.groups_per_row * 4;
+        data = (const u8*)m.data + wide_mul(local, (u32)m.row_bytes);
+        prm = (const u8*)m.params + wide_mul(local, 4 * m.groups_per_row);
+    }
+    // Rows g and g + 8 of tile t (a lane's two rows): one segment search when both are in one segment
+    // (always when the segments' rows are multiples of 16, as in every real model).
+    __device__ void tile_rows(int t, int g, const u8* (&data)[2], const u8* (&prm)[2]) const {
+        int seg, local;
+        matvec_locate(p, min(16 * t + g, p.total_rows - 1), seg, local);
+        const MatrixRef& m = p.seg[seg].m;
+        const u32 row_bytes = (u32)m.row_bytes, prm_bytes = 4 * m.groups_per_row;
+        data[0] = (const u8*)m.data + wide_mul(local, row_bytes);
+        prm[0] = (const u8*)m.params + wide_mul(local, prm_bytes);
+        if (local + 8 < p.seg[seg].rows && 16 * t + g + 8 < p.total_rows) {
+            data[1] = data[0] + 8 * row_bytes;
+            prm[1] = prm[0] + 8 * prm_bytes;
+        } else {
+            row(t, g + 8, data[1], prm[1]);
+        }
     }
     // The value an accumulating product adds to, for thread tid < 16 of tile t: requested at the
     // start (nothing else writes these rows meanwhile), not as a dependent load after the reduction.
@@ -373,7 +392,7 @@ struct MatvecMapT {
 // 7.9 → 5.2 µs (ticket path with the same selection), this kernel 8.1 → 10.2 µs; −0.6 µs per layer.
 struct __align__(16) GateUpSelect { // shared memory of the selection (sl read as float4)
     float sl[MOE_MAX_E];
-    float2 cand[SEL_CAND_LEN]; // 16-byte aligned: sl's size is a multiple of 16 bytes
+    u64 cand[SEL_CAND_LEN]; // 16-byte aligned: sl's size is a multiple of 16 bytes
     int id[MOE_MAX_A];
     float w[MOE_MAX_A];
     float red[32];
@@ -432,23 +451,38 @@ struct GateUpMap {
             __syncthreads();
         }
     }
-    __device__ void row(int t, int rr, const u8*& data, const u8*& prm) const {
-        const int s = t / per_slot(), slot = s + p.slot_offset;
+    // Rows g and g + 8 of tile t: gate row j and up row j of its slot's expert, n rows apart. The slot
+    // by div_small, the row as a 32-bit index (< E·2I) and each address by one 32 × 32 → 64-bit
+    // multiply-add: the i64 row products, the integer division and the indexed parameter loads of
+    // the general form were ~120 instructions per tile (Nsight Compute, session 17).
+    __device__ void tile_rows(int t, int g, const u8* (&data)[2], const u8* (&prm)[2]) const {
+        const int s = div_small(t, per_slot()), slot = s + p.slot_offset;
         const bool routed = slot < p.A;
         const int n = routed ? p.I : p.Is;
-        const int j = min((t - s * per_slot()) * 8 + (rr & 7), n - 1);
-        const MatrixRef& m = routed ? p.experts : p.shared;
+        const int j = min((t - s * per_slot()) * 8 + g, n - 1);
         const int e = routed ? (r.logits ? sel->id[slot] : expert[s]) : 0;
-        const i64 row = (routed ? (i64)e * 2 * p.I : 0) + (rr >> 3) * n + j;
-        data = (const u8*)m.data + row * m.row_bytes;
-        prm = (const u8*)m.params + row * m.groups_per_row * 4;
+        const int row = (routed ? e * 2 * p.I : 0) + j;
+        const u8* const codes = (const u8*)(routed ? p.experts.data : p.shared.data);
+        const u8* const params = (const u8*)(routed ? p.experts.params : p.shared.params);
+        const u32 row_bytes = (u32)(routed ? p.experts.row_bytes : p.shared.row_bytes); // K/2 for q4
+        const u32 prm_bytes = 4 * (routed ? p.experts.groups_per_row : p.shared.groups_per_row);
+        data[0] = codes + wide_mul(row, row_bytes);
+        prm[0] = params + wide_mul(row, prm_bytes);
+        data[1] = data[0] + wide_mul(n, row_bytes);
+        prm[1] = prm[0] + wide_mul(n, prm_bytes);
+    }
+    __device__ void row(int t, int rr, const u8*& data, const u8*& prm) const { // lab MTC_BULK's form
+        const u8 *d[2], *q[2];
+        tile_rows(t, rr & 7, d, q);
+        data = d[rr >> 3];
+        prm = q[rr >> 3];
     }
     __device__ float old_value(int, int) const { return 0.0f; } // act is written, not added to
     typedef NoTail Tail;
     __device__ Tail tail_load(int) const { return Tail{}; }
     __device__ void tail(int, float, const Tail&, bool, float*) const {}
     __device__ float finish(int t, int tid, const float (*red)[16], bool, float) const {
-        const int s = t / per_slot(), slot = s + p.slot_offset;
+        const int s = div_small(t, per_slot()), slot = s + p.slot_offset;
         const int n = slot < p.A ? p.I : p.Is;
         const int j = (t - s * per_slot()) * 8 + tid;
         if (tid >= 8 || j >= n) return 0.0f;
@@ -609,13 +643,12 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     // (scale, bias) pairs of the 2·CW groups they span (one 8·CW-byte load per row; lane c uses
     // group 2·chunk + (c & 1) of them).
     auto issue = [&](int t, uint4 (&cd)[CW][2], u32 (&pr)[2][2 * CW]) {
+        const u8 *data[2], *prm[2];
+        map.tile_rows(t, g, data, prm);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u8 *data, *prm;
-            map.row(t, g + 8 * h, data, prm);
-            tc_row_fragments<CW>(data, prm, warp, c, h, cd, pr[h], [](const void* a) { return ldg16_in_order(a); },
+        for (int h = 0; h < 2; ++h)
+            tc_row_fragments<CW>(data[h], prm[h], warp, c, h, cd, pr[h], [](const void* a) { return ldg16_in_order(a); },
                                  [](const void* a) { return ldg8_in_order(a); });
-        }
     };
 
     uint4 codes[NB][CW][2];
@@ -845,24 +878,11 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     const int chunks = n_routed * cr + (p.slot_end > p.A ? cs : 0);
     uint4* bfrag = (uint4*)smem4;                     // [chunks][4 words][4 lanes c][hi, lo]
     float* gsum = (float*)(bfrag + chunks * 32);       // [2·chunks]
-    // chunk q: its slot (index from slot_begin) and its chunk inside the slot's row
-    // (q / cr without the ~25-instruction integer division, which Nsight Compute counted in every
-    // staged word's and chunk's slot_of: the f32 quotient is within one, then corrected; exact for
-    // q < 2^22. Taken only below n_routed·cr, so cr ≥ 1 there (a dense MLP has no routed slots and
-    // cr = 0). Lab MTC_LAB_INT_DIV keeps the division.)
-    const float cr_rcp = 1.0f / (float)max(cr, 1);
+    // chunk q: its slot (index from slot_begin) and its chunk inside the slot's row (q / cr by
+    // div_small: the integer division was in every staged word's and chunk's slot_of. Taken only
+    // below n_routed·cr, so cr ≥ 1 there: a dense MLP has no routed slots and cr = 0.)
     auto slot_of = [&](int q, int& s, int& kc) {
-#if defined(MTC_LAB_INT_DIV)
-        s = q < n_routed * cr ? q / cr : n_routed;
-#else
-        if (q < n_routed * cr) {
-            s = __float2int_rz((float)q * cr_rcp);
-            s -= s * cr > q;
-            s += (s + 1) * cr <= q;
-        } else {
-            s = n_routed;
-        }
-#endif
+        s = q < n_routed * cr ? div_small(q, cr) : n_routed;
         kc = q - s * cr;
     };
     // The slots' activations (from L2), every load of the thread at once, with the slots' experts and
@@ -918,14 +938,19 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
         if (q >= chunks) break;
         int s, kc;
         slot_of(q, s, kc);
+        // The row as a 32-bit index (< E·D) and each address by one 32 × 32 → 64-bit multiply-add: the
+        // i64 products were ~9 instructions per address, 18 addresses per warp (Nsight Compute).
         const bool routed = s < n_routed;
-        const MatrixRef& m = routed ? p.experts : p.shared;
+        const u8* const codes = (const u8*)(routed ? p.experts.data : p.shared.data) + kc * 64 + c * 16;
+        const u8* const params = (const u8*)(routed ? p.experts.params : p.shared.params) + kc * 8;
+        const u32 row_bytes = (u32)(routed ? p.experts.row_bytes : p.shared.row_bytes); // I/2 for q4
+        const u32 prm_bytes = 4 * (routed ? p.experts.groups_per_row : p.shared.groups_per_row);
+        const int row0 = routed ? slot_expert[s] * p.D : 0;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = min(16 * t + g + 8 * h, p.D - 1);
-            const i64 row = (routed ? (i64)slot_expert[s] * p.D : 0) + r;
-            cd[i][h] = ldg16_in_order((const u8*)m.data + row * m.row_bytes + kc * 64 + c * 16);
-            pr[i][h] = ldg8_in_order((const u8*)m.params + (row * m.groups_per_row + 2 * kc) * 4);
+            const int row = row0 + min(16 * t + g + 8 * h, p.D - 1);
+            cd[i][h] = ldg16_in_order(codes + wide_mul(row, row_bytes));
+            pr[i][h] = ldg8_in_order(params + wide_mul(row, prm_bytes));
         }
     }
 #if defined(MTC_LAB_LATE_TRIGGER)

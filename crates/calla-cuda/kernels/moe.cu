@@ -70,7 +70,7 @@ __device__ __forceinline__ void route(const RouterParams& p, float4* sl4, int* s
     __shared__ float4 cand4[SEL_CAND_LEN / 2];
     const RouteParams r = route_of(p);
     const float gate_logit = route_load_logits(r, (float*)sl4);
-    route_select(r, (float*)sl4, gate_logit, sel_id, sel_p, red, (float2*)cand4, publish);
+    route_select(r, (float*)sl4, gate_logit, sel_id, sel_p, red, (u64*)cand4, publish);
 }
 
 // Router rows [item·rows_per_block, …) of this block's lane groups into logits (or, for the gate block,
