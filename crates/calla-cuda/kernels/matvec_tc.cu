@@ -7,7 +7,10 @@
 // matvec.cu's and moe.cu's kernels stay for the other formats, for widths these do not take, and as
 // the reference they are tested against. One body (tc_body) serves the first two: a "map" says where
 // a tile's rows are and what happens to its sums; down has its own (tc_down_body), on the same
-// helpers (tc_stage_word, tc_chunk).
+// helpers (an encoding policy, TcBf16 or TcInt8: how x̂ is staged as the mma's B and how a chunk's
+// products are taken). The Math and Layout below are TcBf16's, the form every product used up to
+// session 17; the others now run TcInt8 (its own comment: the same tiles and lanes, codes as int8,
+// x̂ as three int8 planes), MoE down still TcBf16.
 //
 // Why: matvec.cu's CUDA-core dot products cost ~3 instructions per weight (shift, mask, FMA), and a
 // block's rows came in passes that each waited for their own DRAM round trip after the x̂ prologue.
@@ -117,63 +120,187 @@ __device__ __forceinline__ void tc_row_fragments(const u8* data, const u8* prm, 
     }
 }
 
-// Word wi of the input (columns 8wi..8wi+7, values x) into the B registers and group sums: chunk wi/16,
-// lane c = (wi/4)%4, word w = wi%4 of that lane's 16 bytes; hi = bf16(x), lo = bf16(x − hi). A group
-// is 8 consecutive words held by 8 consecutive lanes, so every lane of the warp must call this
-// (`valid` false: the word does not exist, nothing is written).
-__device__ __forceinline__ void tc_stage_word(int wi, bool valid, const float (&x)[8], uint4* bfrag, float* gsum) {
-    // hp[j], lp[j]: the bf16 pairs (value j, value j + 4), as mma 2w and 2w + 1 read them
-    u32 hp[4], lp[4];
-    float hi[8], lo[8], sum = 0.0f;
+// The x̂ encodings (B operand) and the per-chunk products, as policies of the bodies below:
+//   TcBf16: x̂ as bf16 hi + lo on m16n8k16 bf16 mmas, codes as 1 + q/16;
+//   TcInt8: x̂ as three int8 planes on m16n8k32 s8 mmas, codes as they are.
+// stage_word(wi, valid, x, bfrag, gsum): word wi of x̂ into the B registers (bfrag, BFRAG_U4 uint4 per
+// chunk) and the group terms (gsum); chunk(...): one chunk of a lane's rows g, g + 8 into acc0, acc1;
+// b_live(g, c): whether lane (g, c) carries B; lane_sum(v): a row's share of the warp from its lanes.
+struct TcBf16 {
+    static constexpr int BFRAG_U4 = 32;
+    // Word wi of the input (columns 8wi..8wi+7, values x) into the B registers and group sums: chunk wi/16,
+    // lane c = (wi/4)%4, word w = wi%4 of that lane's 16 bytes; hi = bf16(x), lo = bf16(x − hi). A group
+    // is 8 consecutive words held by 8 consecutive lanes, so every lane of the warp must call this
+    // (`valid` false: the word does not exist, nothing is written).
+    __device__ static __forceinline__ void stage_word(int wi, bool valid, const float (&x)[8], uint4* bfrag, float* gsum) {
+        // hp[j], lp[j]: the bf16 pairs (value j, value j + 4), as mma 2w and 2w + 1 read them
+        u32 hp[4], lp[4];
+        float hi[8], lo[8], sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        hp[j] = pack_bf16(x[j], x[j + 4]);
-        hi[j] = bf16_lo(hp[j]);
-        hi[j + 4] = bf16_hi(hp[j]);
-        lp[j] = pack_bf16(x[j] - hi[j], x[j + 4] - hi[j + 4]);
-        lo[j] = bf16_lo(lp[j]);
-        lo[j + 4] = bf16_hi(lp[j]);
-    }
+        for (int j = 0; j < 4; ++j) {
+            hp[j] = pack_bf16(x[j], x[j + 4]);
+            hi[j] = bf16_lo(hp[j]);
+            hi[j + 4] = bf16_hi(hp[j]);
+            lp[j] = pack_bf16(x[j] - hi[j], x[j + 4] - hi[j + 4]);
+            lo[j] = bf16_lo(lp[j]);
+            lo[j + 4] = bf16_hi(lp[j]);
+        }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sum += hi[i] + lo[i];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-    if (valid) {
-        const int slot = ((wi >> 4) * 4 + (wi & 3)) * 4 + ((wi >> 2) & 3);
-        // mma 2w: (p0, p4), (p1, p5); mma 2w + 1: (p2, p6), (p3, p7)
-        bfrag[slot * 2 + 0] = make_uint4(hp[0], hp[1], hp[2], hp[3]);
-        bfrag[slot * 2 + 1] = make_uint4(lp[0], lp[1], lp[2], lp[3]);
-        if ((wi & 7) == 0) gsum[wi >> 3] = sum;
+        for (int i = 0; i < 8; ++i) sum += hi[i] + lo[i];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+        if (valid) {
+            const int slot = ((wi >> 4) * 4 + (wi & 3)) * 4 + ((wi >> 2) & 3);
+            // mma 2w: (p0, p4), (p1, p5); mma 2w + 1: (p2, p6), (p3, p7)
+            bfrag[slot * 2 + 0] = make_uint4(hp[0], hp[1], hp[2], hp[3]);
+            bfrag[slot * 2 + 1] = make_uint4(lp[0], lp[1], lp[2], lp[3]);
+            if ((wi & 7) == 0) gsum[wi >> 3] = sum;
+        }
     }
-}
 
-// One chunk (128 columns, chunk kc of the B registers) of rows g and g + 8: 8 mmas from their codes
-// (r0, r8) and the fold into acc0, acc1 with the lane's group's (scale, bias) sb0, sb1 (lanes c = 0, 1
-// hold the chunk's two groups; lanes c = 2, 3 compute values nobody reads), times `scale` (the
-// chunk's input scale: 1, or the DeltaNet head norm's).
-__device__ __forceinline__ void tc_chunk(const uint4& r0, const uint4& r8, u32 sb0, u32 sb1, const uint4* bfrag,
-                                         const float* gsum, int kc, bool b_live, int g, int c, float& acc0,
-                                         float& acc1, float scale = 1.0f) {
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const u32 wg[4] = {r0.x, r0.y, r0.z, r0.w};
-    const u32 wg8[4] = {r8.x, r8.y, r8.z, r8.w};
+    // One chunk (128 columns, chunk kc of the B registers) of rows g and g + 8: 8 mmas from their codes
+    // (r0, r8) and the fold into acc0, acc1 with the lane's group's (scale, bias) words from p0, p8 (the
+    // chunk's two groups' words of rows g, g + 8; lanes c = 0, 1 hold the two groups, lanes c = 2, 3
+    // compute values nobody reads), times `scale` (the chunk's input scale: 1, or the DeltaNet head
+    // norm's).
+    __device__ static __forceinline__ void chunk(const uint4& r0, const uint4& r8, uint2 p0, uint2 p8, const uint4* bfrag,
+                                             const float* gsum, int kc, bool b_live, int g, int c, float& acc0,
+                                             float& acc1, float scale = 1.0f) {
+        const bool odd = c & 1; // the lane's group
+        const u32 sb0 = odd ? p0.y : p0.x, sb1 = odd ? p8.y : p8.x;
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const u32 wg[4] = {r0.x, r0.y, r0.z, r0.w};
+        const u32 wg8[4] = {r8.x, r8.y, r8.z, r8.w};
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-        uint4 bv = make_uint4(0u, 0u, 0u, 0u);
-        if (b_live) bv = bfrag[((kc * 4 + w) * 4 + c) * 2 + (g & 1)];
-        const u32 a0[4] = {q4_pair_one_plus(wg[w], 0), q4_pair_one_plus(wg8[w], 0), q4_pair_one_plus(wg[w], 1),
-                           q4_pair_one_plus(wg8[w], 1)};
-        mma_bf16(d, a0, bv.x, bv.y);
-        const u32 a1[4] = {q4_pair_one_plus(wg[w], 2), q4_pair_one_plus(wg8[w], 2), q4_pair_one_plus(wg[w], 3),
-                           q4_pair_one_plus(wg8[w], 3)};
-        mma_bf16(d, a1, bv.z, bv.w);
+        for (int w = 0; w < 4; ++w) {
+            uint4 bv = make_uint4(0u, 0u, 0u, 0u);
+            if (b_live) bv = bfrag[((kc * 4 + w) * 4 + c) * 2 + (g & 1)];
+            const u32 a0[4] = {q4_pair_one_plus(wg[w], 0), q4_pair_one_plus(wg8[w], 0), q4_pair_one_plus(wg[w], 1),
+                               q4_pair_one_plus(wg8[w], 1)};
+            mma_bf16(d, a0, bv.x, bv.y);
+            const u32 a1[4] = {q4_pair_one_plus(wg[w], 2), q4_pair_one_plus(wg8[w], 2), q4_pair_one_plus(wg[w], 3),
+                               q4_pair_one_plus(wg8[w], 3)};
+            mma_bf16(d, a1, bv.z, bv.w);
+        }
+        const float sx = gsum[2 * kc + (c & 1)];
+        const float s0 = 16.0f * bf16_lo(sb0), s1 = 16.0f * bf16_lo(sb1);
+        acc0 += scale * fmaf(s0, d[0] + d[1], (bf16_hi(sb0) - s0) * sx);
+        acc1 += scale * fmaf(s1, d[2] + d[3], (bf16_hi(sb1) - s1) * sx);
     }
-    const float sx = gsum[2 * kc + (c & 1)];
-    const float s0 = 16.0f * bf16_lo(sb0), s1 = 16.0f * bf16_lo(sb1);
-    acc0 += scale * fmaf(s0, d[0] + d[1], (bf16_hi(sb0) - s0) * sx);
-    acc1 += scale * fmaf(s1, d[2] + d[3], (bf16_hi(sb1) - s1) * sx);
+    // Lanes g < 4 carry B's columns: g = 0, 1 the hi and lo parts of the chunk's first group (lanes
+    // c = 0, 1 hold its columns), g = 2, 3 of the second (c = 2, 3); every other lane gives zeros.
+    __device__ static __forceinline__ bool b_live(int g, int c) { return g < 4 && (c >> 1) == (g >> 1); }
+    // A row's share of the warp from its lanes' accumulators: lanes c = 0 and 1 hold the chunks' two groups.
+    __device__ static __forceinline__ float lane_sum(float v) { return v + __shfl_xor_sync(0xffffffffu, v, 1); }
+};
+
+// TcInt8 (the default): the products on the integer tensor cores (mma m16n8k32 s8): one mma per 512 weights
+// instead of two, and per A register of 4 codes one LOP3 (even nibbles) or a shift and a LOP3 (odd
+// nibbles) instead of a shift and a LOP3 per 2 codes: the inner loop takes half the instructions.
+// x̂ goes in as three int8 planes per group of 64, one B column each (the bf16 form left four of B's
+// eight columns zero): with σ = max|x̂|/127 and t = x̂/σ, a_0 = rint(t), a_1 = rint((t − a_0)·254),
+// a_2 = rint(((t − a_0)·254 − a_1)·254), so the products see x̃ = σ''·(254²·a_0 + 254·a_1 + a_2),
+// σ'' = σ/254²: ~24 bits of the group's largest value (the bf16 hi + lo form: ~16 bits of each
+// value), so a group with one large value keeps ~16 bits of the others. The integer sums are exact.
+// Layout: lane (g, c) of a chunk's mma w (word w of its 16 bytes, columns 32c + 8w .. + 7) gives A
+// a0 = the even nibbles (columns 32c + 8w + 2i, i = 0..3) and a2 the odd ones (+1) of row g, a1 and
+// a3 of row g + 8; B (k = 4c + i and 16 + 4c + i, n = g) holds the same columns of plane g % 3 of
+// group g / 3 (g < 6, and only in lanes whose columns are in that group; others zero). So lane c's
+// accumulators hold columns n = 2c, 2c + 1: c = 0 planes 0, 1 of group 0; c = 1 plane 2 of group 0
+// and plane 0 of group 1; c = 2 planes 1, 2 of group 1; c = 3 nothing. bfrag (uint2 units):
+// [chunk][c][plane][w] = (b0, b1); gsum (float2 units): [group] = (Σx̃, σ'').
+// (a + 1.5·2^23) rounds a (|a| < 2^22) to the nearest integer, whose two's complement low byte is the
+// float's low byte.
+#define MTC_MAGIC 12582912.0f
+__device__ __forceinline__ u32 mtc_low_bytes(float a, float b, float c, float d) {
+    const u32 ab = __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x0040);
+    const u32 cd = __byte_perm(__float_as_uint(c), __float_as_uint(d), 0x0040);
+    return __byte_perm(ab, cd, 0x5410);
 }
+struct TcInt8 {
+    static constexpr int BFRAG_U4 = 24;
+    __device__ static __forceinline__ void stage_word(int wi, bool valid, const float (&x)[8], uint4* bfrag4, float* gsum) {
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(x[j]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+        const float inv = m > 0.0f ? 127.0f / m : 0.0f, sig = m * (1.0f / (127.0f * 64516.0f)); // σ'' = σ/254²
+        float p0[8], p1[8], p2[8], sum = 0.0f; // the planes' values + MTC_MAGIC; Σ(254²·a_0 + 254·a_1 + a_2)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float t = x[j] * inv;
+            p0[j] = t + MTC_MAGIC;
+            const float a0 = p0[j] - MTC_MAGIC, d1 = t - a0; // exact
+            p1[j] = fmaf(d1, 254.0f, MTC_MAGIC);
+            const float a1 = p1[j] - MTC_MAGIC, d2 = fmaf(d1, 254.0f, -a1);
+            p2[j] = fmaf(d2, 254.0f, MTC_MAGIC);
+            sum += fmaf(a0, 64516.0f, fmaf(a1, 254.0f, p2[j] - MTC_MAGIC));
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+        if (valid) {
+            uint2* b = (uint2*)bfrag4 + (((wi >> 4) * 4 + ((wi >> 2) & 3)) * 3) * 4 + (wi & 3); // [chunk][c][plane][w]
+            b[0] = make_uint2(mtc_low_bytes(p0[0], p0[2], p0[4], p0[6]), mtc_low_bytes(p0[1], p0[3], p0[5], p0[7]));
+            b[4] = make_uint2(mtc_low_bytes(p1[0], p1[2], p1[4], p1[6]), mtc_low_bytes(p1[1], p1[3], p1[5], p1[7]));
+            b[8] = make_uint2(mtc_low_bytes(p2[0], p2[2], p2[4], p2[6]), mtc_low_bytes(p2[1], p2[3], p2[5], p2[7]));
+            if ((wi & 7) == 0) ((float2*)gsum)[wi >> 3] = make_float2(sum * sig, sig);
+        }
+    }
+
+    // One chunk of rows g and g + 8 (TcBf16::chunk's contract; p0, p8: the rows' (scale, bias) words
+    // of the chunk's two groups): 4 integer mmas, then lane c's two columns folded with their groups'
+    // scales, and group 0's bias term in lane 0, group 1's in lane 2 (lane_sum adds the four lanes).
+    __device__ static __forceinline__ void chunk(const uint4& r0, const uint4& r8, uint2 p0, uint2 p8, const uint4* bfrag4,
+                                             const float* gsum, int kc, bool b_live, int g, int c, float& acc0,
+                                             float& acc1, float scale = 1.0f) {
+        int d[4] = {0, 0, 0, 0};
+        const u32 wg[4] = {r0.x, r0.y, r0.z, r0.w};
+        const u32 wg8[4] = {r8.x, r8.y, r8.z, r8.w};
+        uint4 bv[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+        if (b_live) {
+            const uint4* src = bfrag4 + ((kc * 4 + c) * 3 + g % 3) * 2; // 4 uint2 (w = 0..3) = 2 uint4
+            bv[0] = src[0];
+            bv[1] = src[1];
+        }
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const u32 a[4] = {wg[w] & 0x0F0F0F0Fu, wg8[w] & 0x0F0F0F0Fu, (wg[w] >> 4) & 0x0F0F0F0Fu, (wg8[w] >> 4) & 0x0F0F0F0Fu};
+            const uint4& b = bv[w >> 1];
+            mma_s8(d, a, (w & 1) ? b.z : b.x, (w & 1) ? b.w : b.y);
+        }
+        const float4 gs = ((const float4*)gsum)[kc]; // (Σx̃, σ'') of groups 2kc, 2kc + 1
+        // column 2c: group c >= 2, plane (2c) % 3; column 2c + 1: group c >= 1, plane (2c + 1) % 3
+        const bool ga = c >= 2, gb = c >= 1;
+        const float wa = c == 0 ? 64516.0f : c == 1 ? 1.0f : c == 2 ? 254.0f : 0.0f;
+        const float wb = c == 0 ? 254.0f : c == 1 ? 64516.0f : c == 2 ? 1.0f : 0.0f;
+        const float sa = ga ? gs.w : gs.y, sbs = gb ? gs.w : gs.y;
+        const float bias_sum = c == 0 ? gs.x : c == 2 ? gs.z : 0.0f; // Σx̃ of the group whose bias this lane adds
+        const u32 a0 = ga ? p0.y : p0.x, b0 = gb ? p0.y : p0.x, a8 = ga ? p8.y : p8.x, b8 = gb ? p8.y : p8.x;
+        const u32 bb0 = c == 2 ? p0.y : p0.x, bb8 = c == 2 ? p8.y : p8.x; // the bias's group
+        acc0 += scale * fmaf(bf16_lo(a0) * sa * wa, (float)d[0], fmaf(bf16_lo(b0) * sbs * wb, (float)d[1], bf16_hi(bb0) * bias_sum));
+        acc1 += scale * fmaf(bf16_lo(a8) * sa * wa, (float)d[2], fmaf(bf16_lo(b8) * sbs * wb, (float)d[3], bf16_hi(bb8) * bias_sum));
+    }
+    // Lanes g < 6 carry B's columns: plane g % 3 of group g / 3, in the lanes whose columns are that group's.
+    __device__ static __forceinline__ bool b_live(int g, int c) { return g < 6 && (c >> 1) == g / 3; }
+    // A row's share of the warp: lanes c = 0, 1, 2 hold its columns (c = 3 zeros).
+    __device__ static __forceinline__ float lane_sum(float v) {
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        return v + __shfl_xor_sync(0xffffffffu, v, 2);
+    }
+};
+// The decode products' encoding (lab MTC_LAB_BF16: the bf16 form everywhere); MoE down keeps the bf16
+// form (TcDown): its 2–3 staged words per thread made the int8 planes' staging cost more than its
+// 4–5 chunks per warp saved (down 205 → 210 µs per step, session 17).
+#if defined(MTC_LAB_BF16)
+typedef TcBf16 TcDot;
+#else
+typedef TcInt8 TcDot;
+#endif
+typedef TcBf16 TcDown;
 
 // What the body below needs to know about one kind of product (a "map"): how many 16-row tiles,
 // where tile row r's codes and (scale, bias) start, the input vector (and its norm gain, or 0), and
@@ -551,7 +678,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     extern __shared__ float4 smem4[];
     const int K = map.K();
     uint4* bfrag = (uint4*)smem4;                 // [K/128][4 words][4 lanes c][hi, lo]
-    float* gsum = (float*)(bfrag + (K / 128) * 32); // [K/64] Σ(hi + lo) per group
+    float* gsum = (float*)(bfrag + (K / 128) * TcDot::BFRAG_U4); // per group: Σx̂ (and σ'')
     __shared__ float red[2][MTC_WARPS][16];
     __shared__ float scratch[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
@@ -688,7 +815,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) x[i] = pgain ? xv[m][i] * inv : xv[m][i];
             const int wi = tid + MTC_THREADS * m;
-            tc_stage_word(wi, wi < words, x, bfrag, gsum);
+            TcDot::stage_word(wi, wi < words, x, bfrag, gsum);
         }
     };
 
@@ -739,9 +866,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     for (int ch = 0; ch < CW; ++ch) chunk_scale[ch] = 1.0f;
     if constexpr (Map::HEAD_NORM) map.template chunk_scales<CW>(warp, lane, chunk_scale);
 
-    // Lanes g < 4 carry B's columns: g = 0, 1 the hi and lo parts of the chunk's first group (lanes
-    // c = 0, 1 hold its columns), g = 2, 3 of the second (c = 2, 3); every other lane gives zeros.
-    const bool b_live = g < 4 && (c >> 1) == (g >> 1);
+    const bool b_live = TcDot::b_live(g, c);
     auto compute = [&](int t, const uint4 (&cd)[CW][2], const u32 (&pr)[2][2 * CW], int j) { // block's tile j
         const int buf = j & 1;
 #if defined(MTC_LAB_XSTAMPS)
@@ -753,17 +878,14 @@ __device__ __forceinline__ void tc_body(const Map& map) {
             LAB_AFTER(cd[0][0].x);
             LAB_STAMP(3);
         }
-        float acc0 = 0.0f, acc1 = 0.0f; // rows g, g + 8 (meaningful in lanes c = 0, 1)
+        float acc0 = 0.0f, acc1 = 0.0f; // rows g, g + 8 (their lanes' shares)
 #pragma unroll
-        for (int ch = 0; ch < CW; ++ch) {
-            const bool odd = c & 1; // a select, not a run-time index (that would put pr in local memory)
-            const u32 sb0 = odd ? pr[0][2 * ch + 1] : pr[0][2 * ch], sb1 = odd ? pr[1][2 * ch + 1] : pr[1][2 * ch];
-            tc_chunk(cd[ch][0], cd[ch][1], sb0, sb1, bfrag, gsum, warp * CW + ch, b_live, g, c, acc0, acc1,
+        for (int ch = 0; ch < CW; ++ch)
+            TcDot::chunk(cd[ch][0], cd[ch][1], make_uint2(pr[0][2 * ch], pr[0][2 * ch + 1]),
+                     make_uint2(pr[1][2 * ch], pr[1][2 * ch + 1]), bfrag, gsum, warp * CW + ch, b_live, g, c, acc0, acc1,
                      chunk_scale[ch]);
-        }
-        // lanes c = 0 and 1 hold the two groups of each chunk: their sum is the warp's share
-        acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
-        acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+        acc0 = TcDot::lane_sum(acc0); // the warp's share
+        acc1 = TcDot::lane_sum(acc1);
         if (c == 0) {
             red[buf][warp][g] = acc0;
             red[buf][warp][g + 8] = acc1;
@@ -877,7 +999,7 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     const int cr = p.I / 128, cs = p.Is / 128; // chunks of a routed and of the shared slot
     const int chunks = n_routed * cr + (p.slot_end > p.A ? cs : 0);
     uint4* bfrag = (uint4*)smem4;                     // [chunks][4 words][4 lanes c][hi, lo]
-    float* gsum = (float*)(bfrag + chunks * 32);       // [2·chunks]
+    float* gsum = (float*)(bfrag + chunks * TcDown::BFRAG_U4); // [2·chunks]
     // chunk q: its slot (index from slot_begin) and its chunk inside the slot's row (q / cr by
     // div_small: the integer division was in every staged word's and chunk's slot_of. Taken only
     // below n_routed·cr, so cr ≥ 1 there: a dense MLP has no routed slots and cr = 0.)
@@ -962,22 +1084,20 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
 #pragma unroll
     for (int m = 0; m < WPT; ++m) {
         const int wi = tid + MTC_THREADS * m;
-        tc_stage_word(wi, wi < words, xv[m], bfrag, gsum);
+        TcDown::stage_word(wi, wi < words, xv[m], bfrag, gsum);
     }
     __syncthreads();
 
-    const bool b_live = g < 4 && (c >> 1) == (g >> 1);
+    const bool b_live = TcDown::b_live(g, c);
     float acc0 = 0.0f, acc1 = 0.0f;
 #pragma unroll
     for (int i = 0; i < CWMAX; ++i) {
         const int q = warp + MTC_WARPS * i;
         if (q >= chunks) break;
-        const bool odd = c & 1;
-        tc_chunk(cd[i][0], cd[i][1], odd ? pr[i][0].y : pr[i][0].x, odd ? pr[i][1].y : pr[i][1].x, bfrag, gsum, q,
-                 b_live, g, c, acc0, acc1);
+        TcDown::chunk(cd[i][0], cd[i][1], pr[i][0], pr[i][1], bfrag, gsum, q, b_live, g, c, acc0, acc1);
     }
-    acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
-    acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+    acc0 = TcDown::lane_sum(acc0);
+    acc1 = TcDown::lane_sum(acc1);
     if (c == 0) {
         red[warp][g] = acc0;
         red[warp][g + 8] = acc1;

@@ -63,6 +63,16 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// D (16×8 s32) += A (16×32 s8, row) · B (32×8 s8, col): the fragments as mma_bf16's, four values per
+// register (PTX ISA, mma.m16n8k32).
+__device__ __forceinline__ void mma_s8(int* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Two f32 → packed bf16 pair (low half = lo), one hardware conversion (round to nearest even).
 __device__ __forceinline__ u32 cvt_bf16x2(float lo, float hi) {
     u32 r;
