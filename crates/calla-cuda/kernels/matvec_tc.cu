@@ -205,11 +205,11 @@ struct TcBf16 {
 // value), so a group with one large value keeps ~16 bits of the others. The integer sums are exact.
 // Layout: lane (g, c) of a chunk's mma w (word w of its 16 bytes, columns 32c + 8w .. + 7) gives A
 // a0 = the even nibbles (columns 32c + 8w + 2i, i = 0..3) and a2 the odd ones (+1) of row g, a1 and
-// a3 of row g + 8; B (k = 4c + i and 16 + 4c + i, n = g) holds the same columns of plane g % 3 of
-// group g / 3 (g < 6, and only in lanes whose columns are in that group; others zero). So lane c's
-// accumulators hold columns n = 2c, 2c + 1: c = 0 planes 0, 1 of group 0; c = 1 plane 2 of group 0
-// and plane 0 of group 1; c = 2 planes 1, 2 of group 1; c = 3 nothing. bfrag (uint2 units):
-// [chunk][c][plane][w] = (b0, b1); gsum (float2 units): [group] = (Σx̃, σ'').
+// a3 of row g + 8; B (k = 4c + i and 16 + 4c + i, n = g) holds the same columns of plane g & 3 of
+// the chunk's group g >> 2 (n = 3, 7 zero, and only in lanes whose columns are in that group). So a
+// lane's accumulator columns n = 2c, 2c + 1 are of its own group: planes 0, 1 for c even, plane 2 and
+// a zero column for c odd. bfrag (uint2 units): [chunk][c][plane][w] = (b0, b1); gsum (float2
+// units): [group] = (Σx̃, σ'').
 // (a + 1.5·2^23) rounds a (|a| < 2^22) to the nearest integer, whose two's complement low byte is the
 // float's low byte.
 #define MTC_MAGIC 12582912.0f
@@ -252,8 +252,9 @@ struct TcInt8 {
     }
 
     // One chunk of rows g and g + 8 (TcBf16::chunk's contract; p0, p8: the rows' (scale, bias) words
-    // of the chunk's two groups): 4 integer mmas, then lane c's two columns folded with their groups'
-    // scales, and group 0's bias term in lane 0, group 1's in lane 2 (lane_sum adds the four lanes).
+    // of the chunk's two groups): 4 integer mmas, then the fold. Lane c's two columns are of one group,
+    // c >> 1: c even holds planes 0 and 1 (x̃'s part σ''·254·(254·D_0 + D_1)), c odd plane 2 and a zero
+    // column (σ''·D_2), and the even lane adds the group's bias term (lane_sum adds the four lanes).
     __device__ static __forceinline__ void chunk(const uint4& r0, const uint4& r8, uint2 p0, uint2 p8, const uint4* bfrag4,
                                              const float* gsum, int kc, bool b_live, int g, int c, float& acc0,
                                              float& acc1, float scale = 1.0f) {
@@ -262,7 +263,7 @@ struct TcInt8 {
         const u32 wg8[4] = {r8.x, r8.y, r8.z, r8.w};
         uint4 bv[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
         if (b_live) {
-            const uint4* src = bfrag4 + ((kc * 4 + c) * 3 + g % 3) * 2; // 4 uint2 (w = 0..3) = 2 uint4
+            const uint4* src = bfrag4 + ((kc * 4 + c) * 3 + (g & 3)) * 2; // 4 uint2 (w = 0..3) = 2 uint4
             bv[0] = src[0];
             bv[1] = src[1];
         }
@@ -272,21 +273,18 @@ struct TcInt8 {
             const uint4& b = bv[w >> 1];
             mma_s8(d, a, (w & 1) ? b.z : b.x, (w & 1) ? b.w : b.y);
         }
-        const float4 gs = ((const float4*)gsum)[kc]; // (Σx̃, σ'') of groups 2kc, 2kc + 1
-        // column 2c: group c >= 2, plane (2c) % 3; column 2c + 1: group c >= 1, plane (2c + 1) % 3
-        const bool ga = c >= 2, gb = c >= 1;
-        const float wa = c == 0 ? 64516.0f : c == 1 ? 1.0f : c == 2 ? 254.0f : 0.0f;
-        const float wb = c == 0 ? 254.0f : c == 1 ? 64516.0f : c == 2 ? 1.0f : 0.0f;
-        const float sa = ga ? gs.w : gs.y, sbs = gb ? gs.w : gs.y;
-        const float bias_sum = c == 0 ? gs.x : c == 2 ? gs.z : 0.0f; // Σx̃ of the group whose bias this lane adds
-        const u32 a0 = ga ? p0.y : p0.x, b0 = gb ? p0.y : p0.x, a8 = ga ? p8.y : p8.x, b8 = gb ? p8.y : p8.x;
-        const u32 bb0 = c == 2 ? p0.y : p0.x, bb8 = c == 2 ? p8.y : p8.x; // the bias's group
-        acc0 += scale * fmaf(bf16_lo(a0) * sa * wa, (float)d[0], fmaf(bf16_lo(b0) * sbs * wb, (float)d[1], bf16_hi(bb0) * bias_sum));
-        acc1 += scale * fmaf(bf16_lo(a8) * sa * wa, (float)d[2], fmaf(bf16_lo(b8) * sbs * wb, (float)d[3], bf16_hi(bb8) * bias_sum));
+        const bool hi_planes = !(c & 1), second = c & 2; // planes 0, 1 (else 2); the chunk's second group
+        const float2 gs = ((const float2*)gsum)[2 * kc + (second ? 1 : 0)]; // (Σx̃, σ'')
+        const float w = hi_planes ? 254.0f * gs.y : gs.y;
+        const int m = hi_planes ? 254 : 1;
+        const u32 sb0 = second ? p0.y : p0.x, sb1 = second ? p8.y : p8.x;
+        acc0 += scale * fmaf(bf16_lo(sb0) * w, (float)(m * d[0] + d[1]), hi_planes ? bf16_hi(sb0) * gs.x : 0.0f);
+        acc1 += scale * fmaf(bf16_lo(sb1) * w, (float)(m * d[2] + d[3]), hi_planes ? bf16_hi(sb1) * gs.x : 0.0f);
     }
-    // Lanes g < 6 carry B's columns: plane g % 3 of group g / 3, in the lanes whose columns are that group's.
-    __device__ static __forceinline__ bool b_live(int g, int c) { return g < 6 && (c >> 1) == g / 3; }
-    // A row's share of the warp: lanes c = 0, 1, 2 hold its columns (c = 3 zeros).
+    // B's column n = g: plane n & 3 (n & 3 < 3; n = 3, 7 zero) of the chunk's group n >> 2, in the lanes
+    // whose columns are that group's.
+    __device__ static __forceinline__ bool b_live(int g, int c) { return (g & 3) != 3 && (g >> 2) == (c >> 1); }
+    // A row's share of the warp: lanes c = 0, 1 hold its first group, c = 2, 3 its second.
     __device__ static __forceinline__ float lane_sum(float v) {
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         return v + __shfl_xor_sync(0xffffffffu, v, 2);
@@ -300,7 +298,11 @@ typedef TcBf16 TcDot;
 #else
 typedef TcInt8 TcDot;
 #endif
+#if defined(MTC_LAB_DOWN_INT8)
+typedef TcInt8 TcDown;
+#else
 typedef TcBf16 TcDown;
+#endif
 
 // What the body below needs to know about one kind of product (a "map"): how many 16-row tiles,
 // where tile row r's codes and (scale, bias) start, the input vector (and its norm gain, or 0), and
