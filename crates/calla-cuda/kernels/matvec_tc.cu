@@ -9,8 +9,8 @@
 // a tile's rows are and what happens to its sums; down has its own (tc_down_body), on the same
 // helpers (an encoding policy, TcBf16 or TcInt8: how x̂ is staged as the mma's B and how a chunk's
 // products are taken). The Math and Layout below are TcBf16's, the form every product used up to
-// session 17; the others now run TcInt8 (its own comment: the same tiles and lanes, codes as int8,
-// x̂ as three int8 planes), MoE down still TcBf16.
+// session 17; all now run TcInt8 (its own comment: the same tiles and lanes, codes as int8, x̂ as
+// three int8 planes).
 //
 // Why: matvec.cu's CUDA-core dot products cost ~3 instructions per weight (shift, mask, FMA), and a
 // block's rows came in passes that each waited for their own DRAM round trip after the x̂ prologue.
@@ -290,18 +290,11 @@ struct TcInt8 {
         return v + __shfl_xor_sync(0xffffffffu, v, 2);
     }
 };
-// The decode products' encoding (lab MTC_LAB_BF16: the bf16 form everywhere); MoE down keeps the bf16
-// form (TcDown): its 2–3 staged words per thread made the int8 planes' staging cost more than its
-// 4–5 chunks per warp saved (down 205 → 210 µs per step, session 17).
+// The decode products' encoding (lab MTC_LAB_BF16: the bf16 form, for measuring one against the other).
 #if defined(MTC_LAB_BF16)
 typedef TcBf16 TcDot;
 #else
 typedef TcInt8 TcDot;
-#endif
-#if defined(MTC_LAB_DOWN_INT8)
-typedef TcInt8 TcDown;
-#else
-typedef TcBf16 TcDown;
 #endif
 
 // What the body below needs to know about one kind of product (a "map"): how many 16-row tiles,
@@ -1001,7 +994,7 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     const int cr = p.I / 128, cs = p.Is / 128; // chunks of a routed and of the shared slot
     const int chunks = n_routed * cr + (p.slot_end > p.A ? cs : 0);
     uint4* bfrag = (uint4*)smem4;                     // [chunks][4 words][4 lanes c][hi, lo]
-    float* gsum = (float*)(bfrag + chunks * TcDown::BFRAG_U4); // [2·chunks]
+    float* gsum = (float*)(bfrag + chunks * TcDot::BFRAG_U4); // [2·chunks]
     // chunk q: its slot (index from slot_begin) and its chunk inside the slot's row (q / cr by
     // div_small: the integer division was in every staged word's and chunk's slot_of. Taken only
     // below n_routed·cr, so cr ≥ 1 there: a dense MLP has no routed slots and cr = 0.)
@@ -1086,20 +1079,20 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
 #pragma unroll
     for (int m = 0; m < WPT; ++m) {
         const int wi = tid + MTC_THREADS * m;
-        TcDown::stage_word(wi, wi < words, xv[m], bfrag, gsum);
+        TcDot::stage_word(wi, wi < words, xv[m], bfrag, gsum);
     }
     __syncthreads();
 
-    const bool b_live = TcDown::b_live(g, c);
+    const bool b_live = TcDot::b_live(g, c);
     float acc0 = 0.0f, acc1 = 0.0f;
 #pragma unroll
     for (int i = 0; i < CWMAX; ++i) {
         const int q = warp + MTC_WARPS * i;
         if (q >= chunks) break;
-        TcDown::chunk(cd[i][0], cd[i][1], pr[i][0], pr[i][1], bfrag, gsum, q, b_live, g, c, acc0, acc1);
+        TcDot::chunk(cd[i][0], cd[i][1], pr[i][0], pr[i][1], bfrag, gsum, q, b_live, g, c, acc0, acc1);
     }
-    acc0 = TcDown::lane_sum(acc0);
-    acc1 = TcDown::lane_sum(acc1);
+    acc0 = TcDot::lane_sum(acc0);
+    acc1 = TcDot::lane_sum(acc1);
     if (c == 0) {
         red[warp][g] = acc0;
         red[warp][g + 8] = acc1;
