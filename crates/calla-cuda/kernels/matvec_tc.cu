@@ -220,6 +220,9 @@ __device__ __forceinline__ u32 mtc_low_bytes(float a, float b, float c, float d)
 }
 struct TcInt8 {
     static constexpr int BFRAG_U4 = 24;
+    // Word wi (TcBf16::stage_word's contract): the group's max|x̂| from its 8 lanes, then each value's
+    // three planes. A NaN or infinite x̂ makes the group's Σx̃ NaN, so the products' outputs are NaN
+    // (through the bias term), as in the bf16 form.
     __device__ static __forceinline__ void stage_word(int wi, bool valid, const float (&x)[8], uint4* bfrag4, float* gsum) {
         float m = 0.0f;
 #pragma unroll
