@@ -199,10 +199,10 @@ struct TcBf16 {
 // instead of two, and per A register of 4 codes one LOP3 (even nibbles) or a shift and a LOP3 (odd
 // nibbles) instead of a shift and a LOP3 per 2 codes: the inner loop takes half the instructions.
 // x̂ goes in as three int8 planes per group of 64, one B column each (the bf16 form left four of B's
-// eight columns zero): with σ = max|x̂|/127 and t = x̂/σ, a_0 = rint(t), a_1 = rint((t − a_0)·254),
-// a_2 = rint(((t − a_0)·254 − a_1)·254), so the products see x̃ = σ''·(254²·a_0 + 254·a_1 + a_2),
-// σ'' = σ/254²: ~24 bits of the group's largest value (the bf16 hi + lo form: ~16 bits of each
-// value), so a group with one large value keeps ~16 bits of the others. The integer sums are exact.
+// eight columns zero): with σ'' = max|x̂|/(127·2^16), X = rint(x̂/σ'') = 2^16·a_0 + 2^8·a_1 + a_2 in
+// balanced base-256 digits (a_1, a_2 in [−128, 127], |a_0| ≤ 127), so the products see x̃ = σ''·X:
+// ~23 bits of the group's largest value (the bf16 hi + lo form: ~16 bits of each value), so a group
+// with one large value keeps ~16 bits of the others. The integer sums are exact.
 // Layout: lane (g, c) of a chunk's mma w (word w of its 16 bytes, columns 32c + 8w .. + 7) gives A
 // a0 = the even nibbles (columns 32c + 8w + 2i, i = 0..3) and a2 the odd ones (+1) of row g, a1 and
 // a3 of row g + 8; B (k = 4c + i and 16 + 4c + i, n = g) holds the same columns of plane g & 3 of
@@ -210,53 +210,57 @@ struct TcBf16 {
 // lane's accumulator columns n = 2c, 2c + 1 are of its own group: planes 0, 1 for c even, plane 2 and
 // a zero column for c odd. bfrag (uint2 units): [chunk][c][plane][w] = (b0, b1); gsum (float2
 // units): [group] = (Σx̃, σ'').
-// (a + 1.5·2^23) rounds a (|a| < 2^22) to the nearest integer, whose two's complement low byte is the
-// float's low byte.
-#define MTC_MAGIC 12582912.0f
-__device__ __forceinline__ u32 mtc_low_bytes(float a, float b, float c, float d) {
-    const u32 ab = __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x0040);
-    const u32 cd = __byte_perm(__float_as_uint(c), __float_as_uint(d), 0x0040);
+// Byte k of each of a, b, c, d, packed (a's lowest): 2 permutes.
+__device__ __forceinline__ u32 tc_pick_bytes(u32 a, u32 b, u32 c, u32 d, int k) {
+    const u32 ab = __byte_perm(a, b, k | (k + 4) << 4);
+    const u32 cd = __byte_perm(c, d, k | (k + 4) << 4);
     return __byte_perm(ab, cd, 0x5410);
 }
 struct TcInt8 {
     static constexpr int BFRAG_U4 = 24;
-    // Word wi (TcBf16::stage_word's contract): the group's max|x̂| from its 8 lanes, then each value's
-    // three planes. A NaN or infinite x̂ makes the group's Σx̃ NaN, so the products' outputs are NaN
-    // (through the bias term), as in the bf16 form.
+    // Word wi (TcBf16::stage_word's contract): the group's max|x̂| from its 8 lanes, then each value as
+    // X = rint(x̂/σ''), whose three balanced base-256 digits are the planes: the low byte of X, of
+    // X + 0x80 >> 8 and of X + 0x8080 >> 16, picked by byte permutes (no shifts). A NaN or infinite x̂
+    // makes σ'' NaN or infinite and Σx̃ NaN: the products' outputs are NaN, as in the bf16 form.
     __device__ static __forceinline__ void stage_word(int wi, bool valid, const float (&x)[8], uint4* bfrag4, float* gsum) {
-        float m = 0.0f;
+        // max|x̂| as the integer max of the magnitudes' bits (the same order for floats ≥ 0), so a NaN,
+        // whose bits exceed infinity's, becomes the group's max
+        u32 mb = 0u;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(x[j]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-        const float inv = m > 0.0f ? 127.0f / m : 0.0f, sig = m * (1.0f / (127.0f * 64516.0f)); // σ'' = σ/254²
-        float p0[8], p1[8], p2[8], sum = 0.0f; // the planes' values + MTC_MAGIC; Σ(254²·a_0 + 254·a_1 + a_2)
+        for (int j = 0; j < 8; ++j) mb = max(mb, __float_as_uint(x[j]) & 0x7fffffffu);
+        mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+        mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
+        mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 4));
+        const float m = __uint_as_float(mb);
+        // |X| ≤ 127·65536 < 2^23: σ'' = σ/65536, σ = max|x̂|/127 (groups below 1e-30 are zeros: their
+        // reciprocal would overflow; a NaN max gives X = 0 and σ'' = NaN). The reciprocal needs no
+        // correct rounding: x̃ = σ''·X uses σ'', and X's top digit stays ≤ 127 for |X| < 127.5·65536.
+        const float inv = m > 1e-30f ? __fdividef(127.0f * 65536.0f, m) : 0.0f, sig = m * (1.0f / (127.0f * 65536.0f));
+        u32 lo[8], mid[8], hi[8]; // X, X + 0x80, X + 0x8080: planes 2, 1, 0 in bytes 0, 1, 2
+        int sum = 0;              // ΣX over the group: |ΣX| < 64·2^23 = 2^29
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const float t = x[j] * inv;
-            p0[j] = t + MTC_MAGIC;
-            const float a0 = p0[j] - MTC_MAGIC, d1 = t - a0; // exact
-            p1[j] = fmaf(d1, 254.0f, MTC_MAGIC);
-            const float a1 = p1[j] - MTC_MAGIC, d2 = fmaf(d1, 254.0f, -a1);
-            p2[j] = fmaf(d2, 254.0f, MTC_MAGIC);
-            sum += fmaf(a0, 64516.0f, fmaf(a1, 254.0f, p2[j] - MTC_MAGIC));
+            const int X = __float2int_rn(x[j] * inv);
+            lo[j] = (u32)X;
+            mid[j] = (u32)X + 0x80u;
+            hi[j] = (u32)X + 0x8080u;
+            sum += X;
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         sum += __shfl_xor_sync(0xffffffffu, sum, 4);
         if (valid) {
             uint2* b = (uint2*)bfrag4 + (((wi >> 4) * 4 + ((wi >> 2) & 3)) * 3) * 4 + (wi & 3); // [chunk][c][plane][w]
-            b[0] = make_uint2(mtc_low_bytes(p0[0], p0[2], p0[4], p0[6]), mtc_low_bytes(p0[1], p0[3], p0[5], p0[7]));
-            b[4] = make_uint2(mtc_low_bytes(p1[0], p1[2], p1[4], p1[6]), mtc_low_bytes(p1[1], p1[3], p1[5], p1[7]));
-            b[8] = make_uint2(mtc_low_bytes(p2[0], p2[2], p2[4], p2[6]), mtc_low_bytes(p2[1], p2[3], p2[5], p2[7]));
-            if ((wi & 7) == 0) ((float2*)gsum)[wi >> 3] = make_float2(sum * sig, sig);
+            b[0] = make_uint2(tc_pick_bytes(hi[0], hi[2], hi[4], hi[6], 2), tc_pick_bytes(hi[1], hi[3], hi[5], hi[7], 2));
+            b[4] = make_uint2(tc_pick_bytes(mid[0], mid[2], mid[4], mid[6], 1), tc_pick_bytes(mid[1], mid[3], mid[5], mid[7], 1));
+            b[8] = make_uint2(tc_pick_bytes(lo[0], lo[2], lo[4], lo[6], 0), tc_pick_bytes(lo[1], lo[3], lo[5], lo[7], 0));
+            if ((wi & 7) == 0) ((float2*)gsum)[wi >> 3] = make_float2((float)sum * sig, sig);
         }
     }
 
     // One chunk of rows g and g + 8 (TcBf16::chunk's contract; p0, p8: the rows' (scale, bias) words
     // of the chunk's two groups): 4 integer mmas, then the fold. Lane c's two columns are of one group,
-    // c >> 1: c even holds planes 0 and 1 (x̃'s part σ''·254·(254·D_0 + D_1)), c odd plane 2 and a zero
+    // c >> 1: c even holds planes 0 and 1 (x̃'s part σ''·256·(256·D_0 + D_1)), c odd plane 2 and a zero
     // column (σ''·D_2), and the even lane adds the group's bias term (lane_sum adds the four lanes).
     __device__ static __forceinline__ void chunk(const uint4& r0, const uint4& r8, uint2 p0, uint2 p8, const uint4* bfrag4,
                                              const float* gsum, int kc, bool b_live, int g, int c, float& acc0,
@@ -278,8 +282,8 @@ struct TcInt8 {
         }
         const bool hi_planes = !(c & 1), second = c & 2; // planes 0, 1 (else 2); the chunk's second group
         const float2 gs = ((const float2*)gsum)[2 * kc + (second ? 1 : 0)]; // (Σx̃, σ'')
-        const float w = hi_planes ? 254.0f * gs.y : gs.y;
-        const int m = hi_planes ? 254 : 1;
+        const float w = hi_planes ? 256.0f * gs.y : gs.y;
+        const int m = hi_planes ? 256 : 1;
         const u32 sb0 = second ? p0.y : p0.x, sb1 = second ? p8.y : p8.x;
         acc0 += scale * fmaf(bf16_lo(sb0) * w, (float)(m * d[0] + d[1]), hi_planes ? bf16_hi(sb0) * gs.x : 0.0f);
         acc1 += scale * fmaf(bf16_lo(sb1) * w, (float)(m * d[2] + d[3]), hi_planes ? bf16_hi(sb1) * gs.x : 0.0f);
