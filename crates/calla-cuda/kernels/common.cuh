@@ -874,7 +874,7 @@ __device__ __forceinline__ void route_acc_clear(const DownParams& p) {
 // The second round compares (logit, id) keys: 4 instructions per compare where the float compare
 // with the id's tie-break took 6 (Nsight Compute, session 17). The first round keeps its float compares
 // with the lane's tie-break: counting by compare masks with the ties from one warp match was slower
-// (gate/up +0.5 µs per launch: MATCH.ANY issues slowly, in all 16 warps of an SM at once).
+// (gate/up +0.5 µs per launch, measured; that MATCH.ANY is the slow part is our reading).
 #define SEL_CAND_LEN (ROUTE_MAX_CAND + 8)
 // A (logit, id) as one u64 that orders as the ranks do: the larger logit first, then the lower id. The
 // float's bits made monotone (non-negative: sign bit set; negative: every bit flipped); select_top
