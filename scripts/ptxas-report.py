@@ -6,7 +6,7 @@ scripts/ci-nvrtc-check.sh installs, for sm_90a, with ptxas in verbose mode, and 
   usage: scripts/ptxas-report.py matvec [moe …]   (uses .venv-nvrtc)
   DEFS=A,B=1 adds defines; CUBIN_OUT=DIR also writes DIR/<name>.cubin (for nvdisasm -c).
 """
-import ctypes, glob, pathlib, re, sys
+import ctypes, glob, os, pathlib, re, sys
 
 root = pathlib.Path(__file__).resolve().parent.parent
 lib = glob.glob(str(root / ".venv-nvrtc/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13"))
@@ -23,7 +23,7 @@ for name in sys.argv[1:]:
     mma = (kernels / "mma.cuh").read_text() + "\n" if name in MMA_MODULES else ""
     # the persistent layer gets the decode modules it is built from, as src/kernels.rs does
     parts = ["matvec", "deltanet", "moe", name] if name == "decode_layer" else [name]
-    src = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in __import__("os").environ.get("DEFS", "").split(",") if d) + common + "\n" + mma + ("#define PHASES_ONLY\n" if len(parts) > 1 else "") + "\n".join((kernels / f"{p}.cu").read_text() for p in parts)
+    src = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in os.environ.get("DEFS", "").split(",") if d) + common + "\n" + mma + ("#define PHASES_ONLY\n" if len(parts) > 1 else "") + "\n".join((kernels / f"{p}.cu").read_text() for p in parts)
     prog = ctypes.c_void_p()
     assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(), 0, None, None) == 0
     arr = (ctypes.c_char_p * len(opts))(*opts)
@@ -36,12 +36,12 @@ for name in sys.argv[1:]:
     if rc != 0:
         print(text)
         sys.exit(f"{name}.cu: compile failed")
-    if __import__("os").environ.get("CUBIN_OUT"):  # the machine code too, for nvdisasm -c
+    if os.environ.get("CUBIN_OUT"):  # the machine code too, for nvdisasm -c
         size = ctypes.c_size_t()
         nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
         buf = ctypes.create_string_buffer(size.value)
         nvrtc.nvrtcGetCUBIN(prog, buf)
-        (pathlib.Path(__import__("os").environ["CUBIN_OUT"]) / f"{name}.cubin").write_bytes(buf.raw)
+        (pathlib.Path(os.environ["CUBIN_OUT"]) / f"{name}.cubin").write_bytes(buf.raw)
     fn = None
     for line in text.splitlines():
         m = re.search(r"Compiling entry function '(\w+)'", line)

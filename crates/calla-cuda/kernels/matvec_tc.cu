@@ -679,8 +679,8 @@ template <int CW, int NB, typename Map>
 __device__ __forceinline__ void tc_body(const Map& map) {
     extern __shared__ float4 smem4[];
     const int K = map.K();
-    uint4* bfrag = (uint4*)smem4;                 // [K/128][4 words][4 lanes c][hi, lo]
-    float* gsum = (float*)(bfrag + (K / 128) * TcDot::BFRAG_U4); // per group: Σx̂ (and σ'')
+    uint4* bfrag = (uint4*)smem4;                 // x̂ as B registers, TcDot::BFRAG_U4 per chunk of 128
+    float* gsum = (float*)(bfrag + (K / 128) * TcDot::BFRAG_U4); // per group of 64: TcDot's terms
     __shared__ float red[2][MTC_WARPS][16];
     __shared__ float scratch[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
@@ -769,8 +769,8 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 #endif
 
     // The loads of one tile for this lane: codes of rows g, g + 8 in the warp's CW chunks, and the
-    // (scale, bias) pairs of the 2·CW groups they span (one 8·CW-byte load per row; lane c uses
-    // group 2·chunk + (c & 1) of them).
+    // (scale, bias) pairs of the 2·CW groups they span (one 8·CW-byte load per row; TcDot::chunk
+    // takes both of a chunk's and uses its lane's group).
     auto issue = [&](int t, uint4 (&cd)[CW][2], u32 (&pr)[2][2 * CW]) {
         const u8 *data[2], *prm[2];
         map.tile_rows(t, g, data, prm);
@@ -1000,8 +1000,8 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     route_acc_clear(p);
     const int cr = p.I / 128, cs = p.Is / 128; // chunks of a routed and of the shared slot
     const int chunks = n_routed * cr + (p.slot_end > p.A ? cs : 0);
-    uint4* bfrag = (uint4*)smem4;                     // [chunks][4 words][4 lanes c][hi, lo]
-    float* gsum = (float*)(bfrag + chunks * TcDot::BFRAG_U4); // [2·chunks]
+    uint4* bfrag = (uint4*)smem4;                     // w·act as B registers, TcDot::BFRAG_U4 per chunk
+    float* gsum = (float*)(bfrag + chunks * TcDot::BFRAG_U4); // per group of 64 (2·chunks): TcDot's terms
     // chunk q: its slot (index from slot_begin) and its chunk inside the slot's row (q / cr by
     // div_small: the integer division was in every staged word's and chunk's slot_of. Taken only
     // below n_routed·cr, so cr ≥ 1 there: a dense MLP has no routed slots and cr = 0.)
