@@ -168,7 +168,7 @@ __device__ __forceinline__ float score_dot(const float* q, const u16* k, int Dh)
 // [⌊s·T/S⌋, ⌊(s+1)·T/S⌋) (≥ 1 each). Returns (S, T).
 __device__ __forceinline__ int2 attn_live_splits(int pos, int nsplit, int min_tiles) {
     const int tiles = (pos + ATTN_TILE) / ATTN_TILE; // ⌈(pos + 1) / TILE⌉
-    return make_int2(min(nsplit, (tiles + min_tiles - 1) / min_tiles), tiles);
+    return make_int2(min(nsplit, div_small(tiles + min_tiles - 1, min_tiles)), tiles); // tiles < 2^21
 }
 
 // common.cuh block_arrive_last, the last block resetting the ticket for the next launch.
@@ -428,8 +428,8 @@ __device__ __forceinline__ void attn_issue_tile(u16* stage, const u16* kc, const
 #if !defined(ATTN_KV_EVICT_NORMAL)
     const u64 policy = l2_evict_first();
 #endif
-    for (int i = threadIdx.x; i < ATTN_TILE * cpr; i += blockDim.x) {
-        const int r = i / cpr, c = i - r * cpr;
+    for (int i = threadIdx.x; i < ATTN_TILE * cpr; i += ATTN_WARPS * 32) { // the bf16 kernels' 256 threads
+        const int r = i / cpr, c = i - r * cpr; // a shift where Dh is a compile-time constant
         if (r == skip_row) continue;
         const bool live = r < n;
         const i64 src = (i64)(base + (live ? r : 0)) * Dh + c * 8;
@@ -468,9 +468,13 @@ __device__ __forceinline__ u64 attn_bar_arrive(const AttnDecodeParams& p, int kv
     asm volatile("atom.add.acq_rel.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(attn_bar_counter(p, kvh)) : "memory");
     return (old / p.nsplit + 1) * p.nsplit;
 }
-__device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, int G, int kvh, int split, int nsp) {
-    __shared__ float part_s[256];
-    const int Dh = p.Dh, tid = threadIdx.x, lane = tid & 31;
+// Dh: p.Dh, or the compile-time constant of a specialised kernel. The slice arithmetic divides by
+// div_small (common.cuh: exact for these small operands) instead of ~25-instruction integer divisions.
+__device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, int G, int Dh, int kvh, int split,
+                                                   int nsp) {
+    constexpr int NT = ATTN_WARPS * 32; // the bf16 kernels' threads
+    __shared__ float part_s[NT];
+    const int tid = threadIdx.x, lane = tid & 31;
     // The block's partial stores before its arrival: the barrier orders them before thread 0's fence
     // and acq_rel arrival, which publish them (as block_arrive_last, common.cuh).
     __syncthreads();
@@ -480,7 +484,7 @@ __device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, in
     }
     __syncthreads();
     LAB_STAMP(5);
-    const int total = G * Dh, per = (total + nsp - 1) / nsp;
+    const int total = G * Dh, per = div_small(total + nsp - 1, nsp);
     const int o0 = min(total, split * per), o1 = min(total, o0 + per);
     const float* pm = (const float*)p.part_m;
     const float* pl = (const float*)p.part_l;
@@ -489,13 +493,13 @@ __device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, in
         const int hq = kvh * G + h;
         const i64 base = (i64)hq * p.nsplit;
         const int d0 = max(o0 - h * Dh, 0), d1 = min(o1 - h * Dh, Dh);
-        for (int c0 = d0; c0 < d1; c0 += blockDim.x) {
+        for (int c0 = d0; c0 < d1; c0 += NT) {
             // thread t: output d = c0 + t % nd, inputs r, r + R, … (R = 256 / nd threads per output);
             // its acc column and those inputs' m, and (every warp, for M and L) lane + 32j's m and l,
             // all requested at once: one L2 round trip
-            const int nd = min(d1 - c0, (int)blockDim.x), R = blockDim.x / nd;
-            const int r = tid / nd, d = c0 + tid % nd;
-            const int nload = r < R ? (nsp - r + R - 1) / R : 0;
+            const int nd = min(d1 - c0, NT), R = div_small(NT, nd);
+            const int r = div_small(tid, nd), d = c0 + tid - r * nd;
+            const int nload = r < R ? div_small(nsp - r + R - 1, R) : 0;
             float a[ATTN_BAR_MAX_SPLITS / 16], am[ATTN_BAR_MAX_SPLITS / 16];
 #pragma unroll
             for (int k = 0; k < ATTN_BAR_MAX_SPLITS / 16; ++k) {
@@ -545,10 +549,13 @@ __device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, in
     LAB_STAMP(6);
 }
 
-template <bool BARRIER>
+// DH, GG: the head dim and the q heads per kv head as compile-time constants (a specialised kernel,
+// below: the index arithmetic folds to shifts and the per-lane loops unroll exactly), or 0 for
+// p.Dh and p.Hq / p.Hkv. The arithmetic on values is the same either way.
+template <bool BARRIER, int DH = 0, int GG = 0>
 __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p) {
     extern __shared__ __align__(16) unsigned char attn_smem[];
-    const int G = p.Hq / p.Hkv, Dh = p.Dh, kvh = blockIdx.y, split = blockIdx.x;
+    const int G = GG ? GG : p.Hq / p.Hkv, Dh = DH ? DH : p.Dh, kvh = blockIdx.y, split = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, qd = lane & 3; // mma fragment: row group, column pair
     const int NT = G > 8 ? 2 : 1;            // n-tiles of 8 heads
@@ -584,8 +591,10 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         if (BARRIER && threadIdx.x == 0) attn_bar_arrive(p, kvh); // every split arrives, once
         return;
     }
-    const int t0 = (int)((i64)split * tiles / nsp) * ATTN_TILE;
-    const int t1 = min(len, (int)((i64)(split + 1) * tiles / nsp) * ATTN_TILE);
+    // 32-bit quotients (split·tiles < 2^31 for any cache that fits on a GPU; an i64 division is a
+    // ~70-instruction subroutine)
+    const int t0 = (int)((u32)split * (u32)tiles / (u32)nsp) * ATTN_TILE;
+    const int t1 = min(len, (int)((u32)(split + 1) * (u32)tiles / (u32)nsp) * ATTN_TILE);
     const int ntiles = (t1 - t0 + ATTN_TILE - 1) / ATTN_TILE;
     const int kp = k_pitch<u16>(Dh), stage_elems = 2 * ATTN_TILE * kp;
     u16* kv_s = (u16*)attn_smem;                              // [STAGES][K, V][TILE, kp]
@@ -671,7 +680,7 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         u16* vs = ks + ATTN_TILE * kp;
         cp_async_wait<ATTN_STAGES - 2>(); // this thread's copies of tile i have landed
         if (p_row >= 0)
-            for (int d = tid; d < Dh; d += blockDim.x) {
+            for (int d = tid; d < Dh; d += ATTN_WARPS * 32) {
                 ks[p_row * kp + d] = kvp_s[d];
                 vs[p_row * kp + d] = kvp_s[Dh + d];
             }
@@ -832,7 +841,7 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
 
     if (BARRIER) {
         LAB_STAMP(4);
-        attn_barrier_merge(p, G, kvh, split, nsp);
+        attn_barrier_merge(p, G, Dh, kvh, split, nsp);
         return;
     }
     // Merge as in the f32 kernel; warp w merges heads w, w + 8.
@@ -859,6 +868,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) attn_decode_bf16(const Attn
 extern "C" __global__ void __launch_bounds__(512) attn_decode_f32(const AttnDecodeParams p) { attn_decode_body<float>(p); }
 extern "C" __global__ void __launch_bounds__(256, 2) attn_decode_bf16_bar(const AttnDecodeParams p) {
     attn_decode_bf16_body<true>(p);
+}
+// The barrier kernel for Qwen3.5/3.6's attention (head dim 256, 8 q heads per kv head: the 35B-A3B's
+// 16 over 2); attention::barrier_kernel picks it where the dims match.
+extern "C" __global__ void __launch_bounds__(256, 2) attn_decode_bf16_bar_dh256_g8(const AttnDecodeParams p) {
+    attn_decode_bf16_body<true, 256, 8>(p);
 }
 LAB_STAMPS_COPY(attn_lab_stamps)
 

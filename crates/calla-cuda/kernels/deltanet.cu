@@ -166,28 +166,38 @@ __device__ __forceinline__ void dn_columns(float* S, int Dk, const int* js, int 
 #define DN_OUT_RAW 1
 #define DN_OUT_PARTS 2
 // Work item `item` = (value head item / SPLIT, column block item % SPLIT).
-template <int KPL, int SPLIT, int OUT>
+// CK, DV, RATIO: the conv taps, the value head dim and Hv / Hk as compile-time constants (a
+// specialised kernel: the ring-slot modulos, the column split and the key head fold away), or 0 for
+// p.K, p.Dv and p.Hv / p.Hk. Dk is 32·KPL in every kernel (the launchers pick KPL = Dk / 32). The
+// arithmetic on values is the same either way.
+template <int KPL, int SPLIT, int OUT, int CK = 0, int DV = 0, int RATIO = 0>
 __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, int item) {
     __shared__ float q_s[DN_MAX_DK], k_s[DN_MAX_DK], v_s[DN_MAX_DV], o_s[DN_MAX_DV];
     __shared__ float red[64];
     __shared__ float sumsq_part; // this block's Σ o_j² over its own columns (read by the cluster)
     const int h = item / SPLIT, rank = item % SPLIT; // = %cluster_ctarank (1-D clusters)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int ratio = p.Hv / p.Hk, kh = h / ratio;
-    const int C = 2 * p.Hk * p.Dk + p.Hv * p.Dv;
+    constexpr int Dk = 32 * KPL;
+    const int Dv = DV ? DV : p.Dv;
+    const int ratio = RATIO ? RATIO : p.Hv / p.Hk, kh = h / ratio;
+    const int C = 2 * p.Hk * Dk + p.Hv * Dv;
     // This block's value columns [j0, j0 + n) of head h.
-    const int j0 = rank * p.Dv / SPLIT, n = (rank + 1) * p.Dv / SPLIT - j0;
+    const int j0 = rank * Dv / SPLIT, n = (rank + 1) * Dv / SPLIT - j0;
     const Cursor cur = *(const Cursor*)p.cursor;
-    const int pos = cur.pos, K = p.K;
+    const int pos = cur.pos, K = CK ? CK : p.K;
 
     // 0. The block's state columns, loaded now (in flight during steps 1–3).
-    float* S = (float*)(cur.state_base + p.state_off) + ((i64)h * p.Dv + j0) * p.Dk + lane * KPL;
-    float sp[DN_PREFETCH_COLS][KPL];
-    int js[DN_PREFETCH_COLS];
+    float* S = (float*)(cur.state_base + p.state_off) + ((i64)h * Dv + j0) * Dk + lane * KPL;
+    // columns per warp in registers: DN_PREFETCH_COLS, or with DV known exactly the block's share
+    // (2 at Dv 128 over 8 blocks: the other 2 would run the delta rule on zeros)
+    constexpr int NCOL = DV ? (DV / SPLIT + DN_WARPS - 1) / DN_WARPS : DN_PREFETCH_COLS;
+    static_assert(!DV || (DV % SPLIT == 0 && NCOL <= DN_PREFETCH_COLS), "a block's columns fit the prefetch");
+    float sp[NCOL][KPL];
+    int js[NCOL];
 #pragma unroll
-    for (int c = 0; c < DN_PREFETCH_COLS; ++c) {
+    for (int c = 0; c < NCOL; ++c) {
         js[c] = warp + c * DN_WARPS;
-        if (js[c] < n) dn_load_column<KPL>(S + (i64)js[c] * p.Dk, sp[c]);
+        if (js[c] < n) dn_load_column<KPL>(S + (i64)js[c] * Dk, sp[c]);
         else {
 #pragma unroll
             for (int e = 0; e < KPL; ++e) sp[c][e] = 0.0f;
@@ -197,7 +207,7 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
     const float a_raw = ((const float*)p.a)[h], dt_bias = ((const float*)p.dt_bias)[h];
     const float a_log = ((const float*)p.a_log)[h], b_raw = ((const float*)p.b)[h];
     float z_t = 0.0f, w_t = 0.0f; // thread t < n writes output column j0 + t
-    if (tid < n) { z_t = ((const float*)p.z)[(i64)h * p.Dv + j0 + tid]; w_t = ((const float*)p.norm_w)[j0 + tid]; }
+    if (tid < n) { z_t = ((const float*)p.z)[(i64)h * Dv + j0 + tid]; w_t = ((const float*)p.norm_w)[j0 + tid]; }
 
     // 1. conv over the head's q (Dk), k (Dk) and this block's v (n) channels → silu → shared memory.
     //    All loads of a thread's ≤ 3 channels are issued before any use (fixed trip counts).
@@ -205,7 +215,7 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
     const float* qkv = (const float*)p.qkv;
     const float* conv_w = (const float*)p.conv_w;
     const bool writes_qk = (h % ratio) == 0 && rank == 0;
-    const int nch = 2 * p.Dk + n;
+    const int nch = 2 * Dk + n;
     constexpr int CPT = DnConv<KPL, SPLIT>::PER_THREAD;
     int slot[DN_MAX_K - 1]; // ring slot of x[p−K+1+t], t < K−1 (the same for every channel)
     {
@@ -221,9 +231,9 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
     for (int u = 0; u < CPT; ++u) {
         const int i = tid + u * DN_THREADS;
         int c = 0;
-        if (i < p.Dk) c = kh * p.Dk + i;
-        else if (i < 2 * p.Dk) c = p.Hk * p.Dk + kh * p.Dk + (i - p.Dk);
-        else c = 2 * p.Hk * p.Dk + h * p.Dv + j0 + (i - 2 * p.Dk);
+        if (i < Dk) c = kh * Dk + i;
+        else if (i < 2 * Dk) c = p.Hk * Dk + kh * Dk + (i - Dk);
+        else c = 2 * p.Hk * Dk + h * Dv + j0 + (i - 2 * Dk);
         chan[u] = c;
         if (i < nch) {
             x_new[u] = qkv[c];
@@ -247,17 +257,17 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
                 if (t < K - 1) acc += taps[u][t] * hist[u][t];
             acc += tap_new[u] * x_new[u]; // tap K−1 multiplies the newest input
             const float u_silu = silu_f(acc);
-            if (i < p.Dk) q_s[i] = u_silu;
-            else if (i < 2 * p.Dk) k_s[i - p.Dk] = u_silu;
-            else v_s[i - 2 * p.Dk] = u_silu;
-            if (i >= 2 * p.Dk || writes_qk) ring[(i64)own_slot * C + chan[u]] = x_new[u];
+            if (i < Dk) q_s[i] = u_silu;
+            else if (i < 2 * Dk) k_s[i - Dk] = u_silu;
+            else v_s[i - 2 * Dk] = u_silu;
+            if (i >= 2 * Dk || writes_qk) ring[(i64)own_slot * C + chan[u]] = x_new[u];
         }
     }
     __syncthreads();
 
     // 2. L2-normalise q and k (q also scaled by Dk^−½).
     float sq = 0.0f, sk = 0.0f;
-    for (int i = tid; i < p.Dk; i += DN_THREADS) { sq += q_s[i] * q_s[i]; sk += k_s[i] * k_s[i]; }
+    for (int i = tid; i < Dk; i += DN_THREADS) { sq += q_s[i] * q_s[i]; sk += k_s[i] * k_s[i]; }
     const float2 sums = dn_block_sum2(sq, sk, red);
     const float q_inv = 1.0f / sqrtf(sums.x + 1e-6f);
     const float k_inv = 1.0f / sqrtf(sums.y + 1e-6f);
@@ -275,15 +285,15 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
         kr[e] = k_s[lane * KPL + e] * k_inv;
         qr[e] = q_s[lane * KPL + e] * q_inv * p.q_scale;
     }
-    dn_columns<KPL, DN_PREFETCH_COLS>(S, p.Dk, js, n, sp, kr, qr, alpha, beta, v_s, o_s, lane);
-    for (int j = warp + DN_PREFETCH_COLS * DN_WARPS; j < n; j += DN_WARPS) { // SPLIT = 1 with Dv > 32
+    dn_columns<KPL, NCOL>(S, Dk, js, n, sp, kr, qr, alpha, beta, v_s, o_s, lane);
+    for (int j = warp + NCOL * DN_WARPS; j < n; j += DN_WARPS) { // SPLIT = 1 with Dv > 32
         float s1[1][KPL];
-        dn_load_column<KPL>(S + (i64)j * p.Dk, s1[0]);
-        dn_columns<KPL, 1>(S, p.Dk, &j, n, s1, kr, qr, alpha, beta, v_s, o_s, lane);
+        dn_load_column<KPL>(S + (i64)j * Dk, s1[0]);
+        dn_columns<KPL, 1>(S, Dk, &j, n, s1, kr, qr, alpha, beta, v_s, o_s, lane);
     }
     __syncthreads();
     if (OUT == DN_OUT_RAW) {
-        if (tid < n) ((float*)p.y)[(i64)h * p.Dv + j0 + tid] = o_s[tid];
+        if (tid < n) ((float*)p.y)[(i64)h * Dv + j0 + tid] = o_s[tid];
         __syncthreads(); // the shared arrays are reused by the block's next item
         return;
     }
@@ -292,8 +302,8 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
     const float o_t = tid < n ? o_s[tid] : 0.0f;
     float sumsq = block_sum(o_t * o_t, red); // n ≤ DN_THREADS: one column per thread
     if (OUT == DN_OUT_PARTS) {
-        if (tid < n) ((float*)p.y)[(i64)h * p.Dv + j0 + tid] = w_t * o_t * silu_f(z_t);
-        if (tid == 0) ((float*)p.y)[(i64)p.Hv * p.Dv + item] = sumsq;
+        if (tid < n) ((float*)p.y)[(i64)h * Dv + j0 + tid] = w_t * o_t * silu_f(z_t);
+        if (tid == 0) ((float*)p.y)[(i64)p.Hv * Dv + item] = sumsq;
         return;
     }
 #if __CUDA_ARCH__ >= 900
@@ -307,8 +317,8 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
         cluster_arrive(); // this block is done reading the others' shared memory
     }
 #endif
-    const float o_inv = 1.0f / sqrtf(sumsq / (float)p.Dv + p.eps);
-    if (tid < n) ((float*)p.y)[(i64)h * p.Dv + j0 + tid] = w_t * (o_t * o_inv) * silu_f(z_t);
+    const float o_inv = 1.0f / sqrtf(sumsq / (float)Dv + p.eps);
+    if (tid < n) ((float*)p.y)[(i64)h * Dv + j0 + tid] = w_t * (o_t * o_inv) * silu_f(z_t);
 #if __CUDA_ARCH__ >= 900
     if (SPLIT > 1) cluster_wait(); // keep sumsq_part alive until every block has read it
 #endif
@@ -358,6 +368,13 @@ DN_KERNEL_PARTS(1)
 DN_KERNEL_PARTS(2)
 DN_KERNEL_PARTS(4)
 DN_KERNEL_PARTS(8)
+// The same for Qwen3.5/3.6's DeltaNet (Dk = Dv = 128, 4 conv taps, 2 value heads per key head: the
+// 35B-A3B's 32 over 16), its dims compiled in; deltanet::decode_parts picks it where they match.
+extern "C" __global__ void __launch_bounds__(DN_THREADS, DN_MIN_BLOCKS_SPLIT(4))
+    deltanet_decode_kpl4_split8_parts_k4_v128_r2(const DeltaNetParams p) {
+    griddep_enter(); // cursor, projections and state come from earlier kernels
+    deltanet_decode_item<4, DN_SPLIT, DN_OUT_PARTS, 4, 128, 2>(p, blockIdx.x);
+}
 #endif // PHASES_ONLY
 static_assert(DN_WARPS * DN_PREFETCH_COLS >= (DN_MAX_DV + DN_SPLIT - 1) / DN_SPLIT,
               "with SPLIT = 8 every owned column is prefetched");

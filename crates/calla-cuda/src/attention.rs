@@ -177,6 +177,18 @@ pub fn ticket_words(hkv: usize, nsplit: usize) -> usize {
 /// Live splits the barrier merge takes (attention.cu ATTN_BAR_MAX_SPLITS).
 const BARRIER_MAX_SPLITS: usize = 128;
 
+/// The barrier-merge kernel for `spec`'s dims: a copy compiled for head dim 256 with 8 q heads per
+/// kv head (Qwen3.5/3.6; its index arithmetic folds to shifts), else the one that reads them from
+/// its parameters.
+pub fn barrier_kernel(spec: &ModelSpec) -> &'static str {
+    let g = spec.num_attention_heads / spec.num_key_value_heads;
+    if spec.head_dim == 256 && g == 8 && std::env::var("CALLA_LAB_ATTN_GENERIC").is_err() {
+        "attn_decode_bf16_bar_dh256_g8"
+    } else {
+        "attn_decode_bf16_bar"
+    }
+}
+
 /// Whether the bf16 cache's splits merge after a barrier among the splits of a kv head
 /// (attn_decode_bf16_bar, the default) or through two ticketed levels (attn_decode_bf16;
 /// `CALLA_ATTN_MERGE=ticket`, or when not every block of the grid fits on the GPU at once: the
@@ -189,7 +201,7 @@ pub fn barrier_merge(gpu: &Gpu, spec: &ModelSpec, nsplit: usize) -> Result<bool>
     }
     let kv = KvDtype::Bf16;
     let per_sm = gpu.resident_blocks(
-        "attn_decode_bf16_bar",
+        barrier_kernel(spec),
         decode_threads(spec, kv) as u32,
         decode_smem(spec, kv) as u32,
     )?;
@@ -242,7 +254,7 @@ pub fn decode(
         scale: (dh as f32).powf(-0.5),
     };
     let name = match kv {
-        KvDtype::Bf16 if barrier_merge(gpu, spec, io.nsplit)? => "attn_decode_bf16_bar".to_string(),
+        KvDtype::Bf16 if barrier_merge(gpu, spec, io.nsplit)? => barrier_kernel(spec).to_string(),
         _ => format!("attn_decode_{}", kv.suffix()),
     };
     Ok(vec![Launch::new(

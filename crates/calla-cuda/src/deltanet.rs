@@ -139,10 +139,7 @@ pub fn decode_split(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo, split: u32) ->
 pub fn decode_parts(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo) -> Result<Launch> {
     check_dims(spec)?;
     let p = params(spec, io);
-    let name = format!(
-        "deltanet_decode_kpl{}_split{SPLIT}_parts",
-        spec.linear_key_head_dim / 32
-    );
+    let name = parts_kernel(spec);
     Launch::new(
         gpu,
         &name,
@@ -151,6 +148,24 @@ pub fn decode_parts(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo) -> Result<Laun
         0,
         &p,
     )
+}
+
+/// The `_parts` kernel for `spec`'s dims: a copy compiled for Qwen3.5/3.6's DeltaNet (Dk = Dv = 128,
+/// 4 conv taps, 2 value heads per key head; its index arithmetic folds away), else the one that
+/// reads them from its parameters.
+pub fn parts_kernel(spec: &ModelSpec) -> String {
+    let qwen35 = spec.linear_key_head_dim == 128
+        && spec.linear_value_head_dim == 128
+        && spec.linear_conv_kernel_dim == 4
+        && spec.linear_num_value_heads == 2 * spec.linear_num_key_heads;
+    if qwen35 && std::env::var("CALLA_LAB_DN_GENERIC").is_err() {
+        format!("deltanet_decode_kpl4_split{SPLIT}_parts_k4_v128_r2")
+    } else {
+        format!(
+            "deltanet_decode_kpl{}_split{SPLIT}_parts",
+            spec.linear_key_head_dim / 32
+        )
+    }
 }
 
 /// Whether the DeltaNet output norm may move to the out-projection (not with
