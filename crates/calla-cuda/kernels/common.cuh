@@ -891,11 +891,14 @@ __device__ __forceinline__ int sel_key_id(u64 k) { return (int)~(u32)k; }
 struct NoHook {
     __device__ void operator()() const {}
 };
-template <typename Pre = NoHook, typename Mid = NoHook>
+// NT: the block's threads as a compile-time constant (0: blockDim.x); with E and A constants at the
+// call site too (a specialised gate/up kernel) the loops below have fixed trip counts.
+template <int NT = 0, typename Pre = NoHook, typename Mid = NoHook>
 __device__ __forceinline__ void select_top(float* sl, int E, int A, u64* cand, int* sel_id, float* sel_l,
                                            const Pre& pre = Pre{}, const Mid& mid = Mid{}) {
+    const int nthreads = NT ? NT : blockDim.x;
     const int Es = (E + 31) & ~31, keep = min(A, 32);
-    for (int e = threadIdx.x; e < Es; e += blockDim.x) {
+    for (int e = threadIdx.x; e < Es; e += nthreads) {
         const float v = e < E ? sl[e] : NEG_INF;
         sl[e] = v == v ? v + 0.0f : NEG_INF; // + 0: −0 becomes +0, so equal logits have equal keys
     }
@@ -903,7 +906,7 @@ __device__ __forceinline__ void select_top(float* sl, int E, int A, u64* cand, i
     const u64 nobody = sel_key(NEG_INF, 0x7fffffff);   // beats no one (ids ≥ 0 win its ties)
     if (threadIdx.x < C8 - C) cand[C + threadIdx.x] = nobody;
     __syncwarp();
-    for (int e = threadIdx.x; e < Es; e += blockDim.x) { // a warp takes whole segments (blockDim % 32 == 0)
+    for (int e = threadIdx.x; e < Es; e += nthreads) { // a warp takes whole segments (blockDim % 32 == 0)
         const float v = sl[e];
         const float4* seg = (const float4*)(sl + (e & ~31));
         const int i = e & 31;
@@ -924,7 +927,7 @@ __device__ __forceinline__ void select_top(float* sl, int E, int A, u64* cand, i
     __syncthreads();
     mid();
     const int quarter = C8 / 4; // even: two candidates per 16-byte load
-    for (int c0 = 0; c0 < C; c0 += blockDim.x / 4) { // uniform: every lane reaches the shuffles
+    for (int c0 = 0; c0 < C; c0 += nthreads / 4) { // uniform: every lane reaches the shuffles
         const int c = c0 + threadIdx.x / 4, part = threadIdx.x & 3;
         const u64 me = c < C ? cand[c] : nobody;
         const ulonglong2* q = (const ulonglong2*)(cand + part * quarter);
@@ -949,26 +952,29 @@ __device__ __forceinline__ void select_top(float* sl, int E, int A, u64* cand, i
 // The router logits (written by an earlier kernel, or by other blocks before a ticket: read through
 // L2) into sl [E], and the shared-expert gate's logit (thread 0's return value; requested with the
 // others rather than after the selection). No barrier.
+// FE, NT: E and the block's threads as compile-time constants, or 0 (r.E, blockDim.x).
+template <int FE = 0, int NT = 0>
 __device__ __forceinline__ float route_load_logits(const RouteParams& r, float* sl) {
+    const int E = FE ? FE : r.E, nthreads = NT ? NT : blockDim.x;
     if (r.fixed) { // the fused routing's sums: every logit scaled by the norm's inv (from Σh²)
         const i64* acc = (const i64*)r.logits;
-        const int stride = route_acc_stride(r.E);
+        const int stride = route_acc_stride(E);
         // The thread's first logit, the gate's (thread 0) and Σh² requested together: one L2 round
         // trip (the code had Σh²'s loads, then inv, then the logits' loads: two; gate/up 10.9 → 10.5
         // µs, session 9). More logits per thread than one (E > blockDim) follow in a loop.
         const int e0 = threadIdx.x;
-        const i64 first = e0 < r.E ? route_acc_sum(acc, stride, e0) : 0;
-        const i64 gate = r.shared_gate && threadIdx.x == 0 ? route_acc_sum(acc, stride, r.E) : 0;
-        const float ss = __ll2float_rn(route_acc_sum(acc, stride, r.E + 1)) * (1.0f / ROUTE_SQ_UNIT);
+        const i64 first = e0 < E ? route_acc_sum(acc, stride, e0) : 0;
+        const i64 gate = r.shared_gate && threadIdx.x == 0 ? route_acc_sum(acc, stride, E) : 0;
+        const float ss = __ll2float_rn(route_acc_sum(acc, stride, E + 1)) * (1.0f / ROUTE_SQ_UNIT);
         const float inv = 1.0f / sqrtf(ss / (float)r.D + r.eps);
-        if (e0 < r.E) sl[e0] = __ll2float_rn(first) * (1.0f / ROUTE_LOGIT_UNIT) * inv;
-        for (int e = e0 + blockDim.x; e < r.E; e += blockDim.x)
+        if (e0 < E) sl[e0] = __ll2float_rn(first) * (1.0f / ROUTE_LOGIT_UNIT) * inv;
+        for (int e = e0 + nthreads; e < E; e += nthreads)
             sl[e] = __ll2float_rn(route_acc_sum(acc, stride, e)) * (1.0f / ROUTE_LOGIT_UNIT) * inv;
         return r.shared_gate && threadIdx.x == 0 ? __ll2float_rn(gate) * (1.0f / ROUTE_LOGIT_UNIT) * inv : 0.0f;
     }
     const volatile float* logits = (const volatile float*)r.logits;
-    for (int e = threadIdx.x; e < r.E; e += blockDim.x) sl[e] = logits[e];
-    return r.shared_gate && threadIdx.x == 0 ? logits[r.E] : 0.0f;
+    for (int e = threadIdx.x; e < E; e += nthreads) sl[e] = logits[e];
+    return r.shared_gate && threadIdx.x == 0 ? logits[E] : 0.0f;
 }
 
 // Top-A and combine weights from the logits in shared memory sl (select_top's input; the gate logit
@@ -980,28 +986,30 @@ __device__ __forceinline__ float route_load_logits(const RouteParams& r, float* 
 //   a block max, a block sum of E exponentials and a serial renormalisation took ~1.5 µs of the
 //   router's 3.4 µs of selection (measured by removing the selection, docs/performance.md).
 //   otherwise: w_k = p_k = exp(l_k − max) / Σ_e exp(l_e − max) over all E; max = the top logit.
-template <bool TAIL_SYNC = true, typename Pre = NoHook, typename Mid = NoHook>
+// FE, FA, NT: E, A and the block's threads as compile-time constants, or 0 (r.E, r.A, blockDim.x).
+template <bool TAIL_SYNC = true, int FE = 0, int FA = 0, int NT = 0, typename Pre = NoHook, typename Mid = NoHook>
 __device__ __forceinline__ void route_select(const RouteParams& r, float* sl, float gate_logit, int* sel_id,
                                              float* sel_p, float* red, u64* cand, bool publish,
                                              const Pre& pre = Pre{}, const Mid& mid = Mid{}) {
-    select_top(sl, r.E, r.A, cand, sel_id, sel_p, pre, mid); // sel_p holds the selected logits for now
+    const int E = FE ? FE : r.E, A = FA ? FA : r.A, nthreads = NT ? NT : blockDim.x;
+    select_top<NT>(sl, E, A, cand, sel_id, sel_p, pre, mid); // sel_p holds the selected logits for now
     if (r.norm_topk) {
         if (threadIdx.x < 32) { // A ≤ MOE_MAX_A = 32: one lane per selected expert
             const int k = threadIdx.x;
-            const float w = k < r.A ? expf(sel_p[k] - sel_p[0]) : 0.0f;
+            const float w = k < A ? expf(sel_p[k] - sel_p[0]) : 0.0f;
             const float sum = warp_sum(w);
-            if (k < r.A) sel_p[k] = w / sum;
+            if (k < A) sel_p[k] = w / sum;
         }
     } else {
         const float mx = sel_p[0]; // the top logit
         float z = 0.0f;
-        for (int e = threadIdx.x; e < r.E; e += blockDim.x) z += expf(sl[e] - mx); // NaN: −∞ by now
+        for (int e = threadIdx.x; e < E; e += nthreads) z += expf(sl[e] - mx); // NaN: −∞ by now
         z = block_sum(z, red);
-        if (threadIdx.x < r.A) sel_p[threadIdx.x] = expf(sel_p[threadIdx.x] - mx) / z;
+        if (threadIdx.x < A) sel_p[threadIdx.x] = expf(sel_p[threadIdx.x] - mx) / z;
     }
     __syncwarp();
     if (publish && threadIdx.x < 32) {
-        for (int k = threadIdx.x; k < r.A; k += 32) {
+        for (int k = threadIdx.x; k < A; k += 32) {
             ((int*)r.topk_ids)[k] = sel_id[k];
             ((float*)r.topk_w)[k] = sel_p[k];
         }

@@ -439,7 +439,6 @@ struct MatvecMapT {
     __device__ u64 x() const { return p.x; }
     __device__ u64 norm_gain() const { return p.norm_gain; }
     __device__ float eps() const { return p.eps; }
-    __device__ int K() const { return p.K; }
     // The input scales of this warp's CW chunks (HEAD_NORM): lane 8·ch + q reads part q of chunk ch's
     // head, the 8 lanes add them in a fixed tree (the same sum in every warp and block).
     template <int CW>
@@ -530,19 +529,25 @@ struct TcGateUpParams {
     GateUpParams g;
     RouteParams r; // r.logits 0: the slots' experts are in g.topk_ids already
 };
-struct GateUpMap {
+// FE, FA, FI, FIS: the router's experts, the routed slots (top-k), the expert and shared-expert
+// intermediate sizes as compile-time constants (a specialised kernel: the selection's loops get fixed
+// trip counts and the tile's slot and row fold to shifts), or 0 for the parameters' values.
+template <int FE = 0, int FA = 0, int FI = 0, int FIS = 0>
+struct GateUpMapT {
     const GateUpParams& p;
     int* expert; // shared [MOE_MAX_A + 1]: the slots' experts
     const RouteParams& r;
     GateUpSelect* sel;
-    __device__ int n_max() const { return max(p.A > p.slot_offset ? p.I : 0, p.Is); }
+    __device__ int A() const { return FA ? FA : p.A; }
+    __device__ int I() const { return FI ? FI : p.I; }
+    __device__ int Is() const { return FIS ? FIS : p.Is; }
+    __device__ int n_max() const { return FI && FI == FIS ? FI : max(A() > p.slot_offset ? I() : 0, Is()); }
     __device__ int per_slot() const { return (n_max() + 7) >> 3; }
     __device__ int slots() const { return (int)gridDim.y; }
     __device__ int tiles() const { return per_slot() * slots(); }
     __device__ u64 x() const { return p.x; }
     __device__ u64 norm_gain() const { return p.norm_gain; }
     __device__ float eps() const { return p.eps; }
-    __device__ int K() const { return p.D; }
     static constexpr bool HEAD_NORM = false;
     static constexpr bool STATIC_ROWS = false; // the routed slots' rows follow the selection (prologue_staged)
 #if defined(MTC_LAB_DN_INPROJ_ONLY)
@@ -558,7 +563,7 @@ struct GateUpMap {
         if (r.logits) return;
         for (int s = threadIdx.x; s < slots(); s += blockDim.x) {
             const int slot = s + p.slot_offset;
-            expert[s] = slot >= p.A ? 0 : ((const int*)p.topk_ids)[slot];
+            expert[s] = slot >= A() ? 0 : ((const int*)p.topk_ids)[slot];
         }
     }
     // The routing with the caller's hooks between its barriers (select_top: `pre` before the
@@ -569,9 +574,9 @@ struct GateUpMap {
     template <typename Pre, typename Mid>
     __device__ void prologue_staged(const Pre& pre, const Mid& mid) const {
         if (r.logits) {
-            const float gate_logit = route_load_logits(r, sel->sl);
-            route_select<false>(r, sel->sl, gate_logit, sel->id, sel->w, sel->red, sel->cand,
-                                blockIdx.x == 0 && blockIdx.y == 0, pre, mid);
+            const float gate_logit = route_load_logits<FE, MTC_THREADS>(r, sel->sl);
+            route_select<false, FE, FA, MTC_THREADS>(r, sel->sl, gate_logit, sel->id, sel->w, sel->red, sel->cand,
+                                                     blockIdx.x == 0 && blockIdx.y == 0, pre, mid);
         } else {
             pre();
             fill_experts();
@@ -585,12 +590,12 @@ struct GateUpMap {
     // multiply-add: the i64 row products, the integer division and the indexed parameter loads of
     // the general form were ~120 instructions per tile (Nsight Compute, session 17).
     __device__ void tile_rows(int t, int g, const u8* (&data)[2], const u8* (&prm)[2]) const {
-        const int s = div_small(t, per_slot()), slot = s + p.slot_offset;
-        const bool routed = slot < p.A;
-        const int n = routed ? p.I : p.Is;
+        const int s = FI && FI == FIS ? t / per_slot() : div_small(t, per_slot()), slot = s + p.slot_offset;
+        const bool routed = slot < A();
+        const int n = routed ? I() : Is();
         const int j = min((t - s * per_slot()) * 8 + g, n - 1);
         const int e = routed ? (r.logits ? sel->id[slot] : expert[s]) : 0;
-        const int row = (routed ? e * 2 * p.I : 0) + j;
+        const int row = (routed ? e * 2 * I() : 0) + j;
         const u8* const codes = (const u8*)(routed ? p.experts.data : p.shared.data);
         const u8* const params = (const u8*)(routed ? p.experts.params : p.shared.params);
         const u32 row_bytes = (u32)(routed ? p.experts.row_bytes : p.shared.row_bytes); // K/2 for q4
@@ -611,8 +616,8 @@ struct GateUpMap {
     __device__ Tail tail_load(int) const { return Tail{}; }
     __device__ void tail(int, float, const Tail&, bool, float*) const {}
     __device__ float finish(int t, int tid, const float (*red)[16], bool, float) const {
-        const int s = div_small(t, per_slot()), slot = s + p.slot_offset;
-        const int n = slot < p.A ? p.I : p.Is;
+        const int s = FI && FI == FIS ? t / per_slot() : div_small(t, per_slot()), slot = s + p.slot_offset;
+        const int n = slot < A() ? I() : Is();
         const int j = (t - s * per_slot()) * 8 + tid;
         if (tid >= 8 || j >= n) return 0.0f;
         float gate = 0.0f, up = 0.0f;
@@ -678,7 +683,9 @@ struct TcStages {
 template <int CW, int NB, typename Map>
 __device__ __forceinline__ void tc_body(const Map& map) {
     extern __shared__ float4 smem4[];
-    const int K = map.K();
+    // K = 1024·CW in every launch (the launchers name the kernel by K / 1024): a compile-time
+    // constant, so the staging's bounds and the norm's mean fold (the maps' p.K, p.D are the same value).
+    constexpr int K = 1024 * CW;
     uint4* bfrag = (uint4*)smem4;                 // x̂ as B registers, TcDot::BFRAG_U4 per chunk of 128
     float* gsum = (float*)(bfrag + (K / 128) * TcDot::BFRAG_U4); // per group of 64: TcDot's terms
     __shared__ float red[2][MTC_WARPS][16];
@@ -970,11 +977,20 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c##CW(const TcGateUpParams p) { \
         __shared__ int expert[MOE_MAX_A + 1]; \
         __shared__ GateUpSelect sel; \
-        tc_body<CW, NB>(GateUpMap{p.g, expert, p.r, &sel}); \
+        tc_body<CW, NB>(GateUpMapT<>{p.g, expert, p.r, &sel}); \
     }
 MTC_KERNELS(1, MTC_NB_C1)
 MTC_KERNELS(2, MTC_NB_C2)
 MTC_KERNELS(4, MTC_NB_C4)
+// Gate/up for Qwen3.5/3.6's MoE (D 2048, 256 experts, top-8, expert and shared intermediate 512: the
+// 35B-A3B), its dims compiled in; moe::gate_up_kernel picks it where they match.
+// (Three blocks per SM, ≤ 80 registers, so the 576 tiles spread over 396 blocks at ≤ 2 each: step
+// −1.5 µs, within the runs' spread, and the kernel +23 µs in the no-graph profile; not kept.)
+extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c2_e256_a8_i512(const TcGateUpParams p) {
+    __shared__ int expert[MOE_MAX_A + 1];
+    __shared__ GateUpSelect sel;
+    tc_body<2, MTC_NB_C2>(GateUpMapT<256, 8, 512, 512>{p.g, expert, p.r, &sel});
+}
 
 
 // MoE down + combine + residual (moe.cu's contract, DownParams): h[r] += Σ_slots w_s·down_s[r]·act_s.
@@ -983,30 +999,33 @@ MTC_KERNELS(4, MTC_NB_C4)
 // 16 output rows; warp w takes chunks w, w + 8, …; grid ⌈D/16⌉ × 256 threads, dynamic smem
 // 4·Σ I + Σ I/16 bytes.
 
-template <int CWMAX>
+// FA, FI, FIS, FD: top-k, the expert and shared-expert intermediate sizes and D as compile-time
+// constants (a specialised kernel: the chunk → slot arithmetic folds to shifts), or 0 for p's.
+template <int CWMAX, int FA = 0, int FI = 0, int FIS = 0, int FD = 0>
 __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     extern __shared__ float4 smem4[];
     __shared__ int slot_expert[MOE_MAX_A + 1];
     __shared__ float slot_weight[MOE_MAX_A + 1];
     __shared__ float red[MTC_WARPS][16];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    const int A = FA ? FA : p.A, I = FI ? FI : p.I, Is = FIS ? FIS : p.Is, D = FD ? FD : p.D;
     const int nslots = p.slot_end - p.slot_begin;
-    const int n_routed = max(0, min(p.slot_end, p.A) - p.slot_begin);
+    const int n_routed = max(0, min(p.slot_end, A) - p.slot_begin);
 #if defined(MTC_LAB_LATE_TRIGGER)
     griddep_wait(); // lab: the next kernel may launch once this one's weight loads are out (below)
 #else
     griddep_enter();
 #endif
     route_acc_clear(p);
-    const int cr = p.I / 128, cs = p.Is / 128; // chunks of a routed and of the shared slot
-    const int chunks = n_routed * cr + (p.slot_end > p.A ? cs : 0);
+    const int cr = I / 128, cs = Is / 128; // chunks of a routed and of the shared slot
+    const int chunks = n_routed * cr + (p.slot_end > A ? cs : 0);
     uint4* bfrag = (uint4*)smem4;                     // w·act as B registers, TcDot::BFRAG_U4 per chunk
     float* gsum = (float*)(bfrag + chunks * TcDot::BFRAG_U4); // per group of 64 (2·chunks): TcDot's terms
     // chunk q: its slot (index from slot_begin) and its chunk inside the slot's row (q / cr by
     // div_small: the integer division was in every staged word's and chunk's slot_of. Taken only
     // below n_routed·cr, so cr ≥ 1 there: a dense MLP has no routed slots and cr = 0.)
     auto slot_of = [&](int q, int& s, int& kc) {
-        s = q < n_routed * cr ? div_small(q, cr) : n_routed;
+        s = q < n_routed * cr ? (FI ? q / cr : div_small(q, cr)) : n_routed; // a shift when cr is constant
         kc = q - s * cr;
     };
     // The slots' activations (from L2), every load of the thread at once, with the slots' experts and
@@ -1031,12 +1050,12 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     }
     for (int s = tid; s < nslots; s += blockDim.x) {
         const int slot = p.slot_begin + s;
-        slot_expert[s] = slot < p.A ? ((const int*)p.topk_ids)[slot] : 0;
-        slot_weight[s] = slot < p.A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
+        slot_expert[s] = slot < A ? ((const int*)p.topk_ids)[slot] : 0;
+        slot_weight[s] = slot < A ? ((const float*)p.topk_w)[slot] : *(const float*)p.shared_w;
     }
     // the residual this block adds to, requested now rather than after the reduction
     const int t = blockIdx.x;
-    const float h_old = MTC_EARLY_OLD && tid < 16 && 16 * t + tid < p.D ? ldcg_f32((const float*)p.h + 16 * t + tid) : 0.0f;
+    const float h_old = MTC_EARLY_OLD && tid < 16 && 16 * t + tid < D ? ldcg_f32((const float*)p.h + 16 * t + tid) : 0.0f;
     __syncthreads();
 
     // the activations times their slots' weights, before any weight load is issued
@@ -1069,10 +1088,10 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
         const u8* const params = (const u8*)(routed ? p.experts.params : p.shared.params) + kc * 8;
         const u32 row_bytes = (u32)(routed ? p.experts.row_bytes : p.shared.row_bytes); // I/2 for q4
         const u32 prm_bytes = 4 * (routed ? p.experts.groups_per_row : p.shared.groups_per_row);
-        const int row0 = routed ? slot_expert[s] * p.D : 0;
+        const int row0 = routed ? slot_expert[s] * D : 0;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int row = row0 + min(16 * t + g + 8 * h, p.D - 1);
+            const int row = row0 + min(16 * t + g + 8 * h, D - 1);
             cd[i][h] = ldg16_in_order(codes + wide_mul(row, row_bytes));
             pr[i][h] = ldg8_in_order(params + wide_mul(row, prm_bytes));
         }
@@ -1106,7 +1125,7 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     }
     __syncthreads();
     const int r = 16 * t + tid;
-    if (tid < 16 && r < p.D) {
+    if (tid < 16 && r < D) {
         float v = 0.0f;
 #pragma unroll
         for (int w = 0; w < MTC_WARPS; ++w) v += red[w][tid];
@@ -1118,6 +1137,11 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
 #define MTC_DOWN_CHUNKS 5
 extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_down_q4(const DownParams p) {
     tc_down_body<MTC_DOWN_CHUNKS>(p);
+}
+// Down for Qwen3.5/3.6's MoE (top-8, expert and shared intermediate 512, D 2048: the 35B-A3B), its dims
+// compiled in; moe::down_kernel picks it where they match.
+extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_down_q4_a8_i512_d2048(const DownParams p) {
+    tc_down_body<MTC_DOWN_CHUNKS, 8, 512, 512, 2048>(p);
 }
 
 LAB_STAMPS_COPY(matvec_tc_lab_stamps)

@@ -214,7 +214,7 @@ fn gate_up_launch(
     if tensor_core_gate_up(engine, d, routed.map(|r| r.0), shared) {
         // kernels/matvec_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
         // blocks that fit at once
-        let name = format!("matvec_tc_gate_up_q4_c{}", d / 1024);
+        let name = gate_up_kernel(d, i, is, a, route.as_ref());
         let smem = (4 * d + d / 16) as u32;
         let resident = gpu.sm_count as usize * gpu.resident_blocks(&name, THREADS, smem)?;
         let tiles = n.div_ceil(8) * nslots;
@@ -248,6 +248,22 @@ fn gate_up_launch(
         crate::matvec::input_smem_bytes(d, fmt),
         &p,
     )
+}
+
+/// The tensor-core gate/up kernel: a copy compiled for Qwen3.5/3.6's MoE (D 2048, 256 experts, top-8,
+/// intermediate 512 for the experts and the shared expert, selecting in every block; its selection
+/// loops and tile arithmetic fold), else the one that reads the dims from its parameters.
+fn gate_up_kernel(d: usize, i: usize, is: usize, a: usize, route: Option<&RouteParams>) -> String {
+    let qwen35 = d == 2048
+        && i == 512
+        && is == 512
+        && a == 8
+        && route.is_some_and(|r| r.e == 256 && r.a == 8);
+    if qwen35 && std::env::var("CALLA_LAB_GATE_UP_GENERIC").is_err() {
+        "matvec_tc_gate_up_q4_c2_e256_a8_i512".to_string()
+    } else {
+        format!("matvec_tc_gate_up_q4_c{}", d / 1024)
+    }
 }
 
 /// Whether the gate/up products run on kernels/matvec_tc.cu (q4 in groups of 64, D 1024·{1, 2, 4}).
@@ -325,9 +341,19 @@ fn down_launch(
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .unwrap_or(0);
+        let qwen35 = d == 2048
+            && a == 8
+            && routed.is_none_or(|r| r.0.cols == 512)
+            && shared.is_none_or(|s| s.0.cols == 512);
+        let name = if qwen35 && std::env::var("CALLA_LAB_DOWN_GENERIC").is_err() {
+            // compiled for Qwen3.5/3.6's MoE dims (its chunk → slot arithmetic folds)
+            "matvec_tc_down_q4_a8_i512_d2048"
+        } else {
+            "matvec_tc_down_q4"
+        };
         return Launch::new(
             gpu,
-            "matvec_tc_down_q4",
+            name,
             (d.div_ceil(16) as u32, 1, 1),
             THREADS,
             (chunks * (512 + 8)).max(smem_min) as u32, // B registers + Σ per group
