@@ -335,21 +335,25 @@ template <typename T, typename F> struct PickType<false, T, F> { typedef F type;
 
 // Router row e's 16 codes and (scale, bias) over columns [16t, 16t + 16), and for threads < 16 their
 // column's gain and shared-gate weight.
+// FE, FBITS: the router's rows and code width as compile-time constants (a specialised kernel), or 0
+// for rt.E and rt.bits.
+template <int FE = 0, int FBITS = 0>
 __device__ __forceinline__ RouteRegs route_tail_load(const RouteTail& rt, int t, int e) {
+    const int E = FE ? FE : rt.E, bits = FBITS ? FBITS : rt.bits;
     RouteRegs r;
     r.codes = make_uint4(0u, 0u, 0u, 0u);
     r.prm = 0u;
     r.gain = r.sg = 0.0f;
-    if (e < rt.E) {
+    if (e < E) {
         const u8* row = (const u8*)rt.router.data + (i64)e * rt.router.row_bytes;
-        if (rt.bits == 8) {
+        if (bits == 8) {
             r.codes = ldg16(row + 16 * t);
         } else {
             const uint2 v = *(const uint2*)(row + 8 * t);
             r.codes = make_uint4(v.x, v.y, 0u, 0u);
         }
         r.prm = *(const u32*)((const u8*)rt.router.params +
-                              ((i64)e * rt.router.groups_per_row + 16 * t / rt.group_size) * 4);
+                              ((i64)e * rt.router.groups_per_row + div_small(16 * t, rt.group_size)) * 4);
     }
     if (threadIdx.x < 16) {
         r.gain = ((const float*)rt.gain)[16 * t + threadIdx.x];
@@ -360,11 +364,12 @@ __device__ __forceinline__ RouteRegs route_tail_load(const RouteTail& rt, int t,
 
 // Tile t's share of the routing: h_new is row 16t + tid's final value (threads < 16); every thread of
 // the block calls this (one barrier). hs: shared [16].
+template <int FE = 0, int FBITS = 0>
 __device__ __forceinline__ void route_tail(const RouteTail& rt, int t, float h_new, const RouteRegs& first,
                                            bool is_first, float* hs) {
-    const int tid = threadIdx.x;
-    i64* acc = (i64*)rt.acc + (t & (ROUTE_COPIES - 1)) * route_acc_stride(rt.E);
-    const RouteRegs mine = is_first ? first : route_tail_load(rt, t, tid);
+    const int tid = threadIdx.x, E = FE ? FE : rt.E, bits = FBITS ? FBITS : rt.bits;
+    i64* acc = (i64*)rt.acc + (t & (ROUTE_COPIES - 1)) * route_acc_stride(E);
+    const RouteRegs mine = is_first ? first : route_tail_load<FE, FBITS>(rt, t, tid);
     if (tid < 32) { // warp 0: x̂'s numerator g·h, Σh² and the shared gate's share
         const float hg = tid < 16 ? h_new * mine.gain : 0.0f;
         if (tid < 16) hs[tid] = hg;
@@ -375,8 +380,8 @@ __device__ __forceinline__ void route_tail(const RouteTail& rt, int t, float h_n
             gp += __shfl_xor_sync(0xffffffffu, gp, o);
         }
         if (tid == 0) {
-            route_acc_add(acc + rt.E + 1, sq, ROUTE_SQ_UNIT);
-            if (rt.shared_gate) route_acc_add(acc + rt.E, gp, ROUTE_LOGIT_UNIT);
+            route_acc_add(acc + E + 1, sq, ROUTE_SQ_UNIT);
+            if (rt.shared_gate) route_acc_add(acc + E, gp, ROUTE_LOGIT_UNIT);
         }
     }
     __syncthreads();
@@ -386,13 +391,13 @@ __device__ __forceinline__ void route_tail(const RouteTail& rt, int t, float h_n
         hv[k] = hs[k];
         hsum += hv[k];
     }
-    for (int e = tid; e < rt.E; e += blockDim.x) {
-        const RouteRegs r = e == tid ? mine : route_tail_load(rt, t, e);
+    for (int e = tid; e < E; e += MTC_THREADS) {
+        const RouteRegs r = e == tid ? mine : route_tail_load<FE, FBITS>(rt, t, e);
         const u32 words[4] = {r.codes.x, r.codes.y, r.codes.z, r.codes.w};
         float dot = 0.0f; // Σ q·(g·h)
 #pragma unroll
         for (int k = 0; k < 16; ++k) {
-            const u32 q = rt.bits == 8 ? (words[k >> 2] >> (8 * (k & 3))) & 255u : (words[k >> 3] >> (4 * (k & 7))) & 15u;
+            const u32 q = bits == 8 ? (words[k >> 2] >> (8 * (k & 3))) & 255u : (words[k >> 3] >> (4 * (k & 7))) & 15u;
             dot = fmaf((float)q, hv[k], dot);
         }
         route_acc_add(acc + e, fmaf(bf16_lo(r.prm), dot, bf16_hi(r.prm) * hsum), ROUTE_LOGIT_UNIT);
@@ -427,7 +432,9 @@ struct TcMatvecParams {
 #else
 #define MTC_LAB_MATVEC 1
 #endif
-template <bool HN, bool ROUTE = false>
+// FE, FBITS: the fused routing's router rows and code width, FHD, FNP: the head norm's head_dim and
+// parts per head, as compile-time constants (a specialised kernel), or 0 for tp's.
+template <bool HN, bool ROUTE = false, int FE = 0, int FBITS = 0, int FHD = 0, int FNP = 0>
 struct MatvecMapT {
     static constexpr bool HEAD_NORM = HN;
     typedef typename PickType<ROUTE, RouteRegs, NoTail>::type Tail;
@@ -444,15 +451,16 @@ struct MatvecMapT {
     template <int CW>
     __device__ void chunk_scales(int warp, int lane, float (&sc)[CW]) const {
         const int ch = lane >> 3, q = lane & 7;
+        const int head_dim = FHD ? FHD : tp.head_dim, nparts = FNP ? FNP : tp.nparts;
         float v = 0.0f;
-        if (ch < CW && q < tp.nparts)
-            v = ldcg_f32((const float*)tp.head_parts + (i64)((warp * CW + ch) * 128 / tp.head_dim) * tp.nparts + q);
+        if (ch < CW && q < nparts)
+            v = ldcg_f32((const float*)tp.head_parts + (i64)((warp * CW + ch) * 128 / head_dim) * nparts + q);
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         v += __shfl_xor_sync(0xffffffffu, v, 2);
         v += __shfl_xor_sync(0xffffffffu, v, 4);
 #pragma unroll
         for (int c = 0; c < CW; ++c)
-            sc[c] = 1.0f / sqrtf(__shfl_sync(0xffffffffu, v, 8 * c) / (float)tp.head_dim + p.eps);
+            sc[c] = 1.0f / sqrtf(__shfl_sync(0xffffffffu, v, 8 * c) / (float)head_dim + p.eps);
     }
     // Row r of tile t. Addresses by 32 × 32 → 64-bit multiply-adds (a row's bytes, K/2, and its index
     // fit 32 bits): the i64 products were ~9 instructions per address (Nsight Compute, session 17).
@@ -503,11 +511,11 @@ struct MatvecMapT {
     // The fused routing (ROUTE): its loads for the block's first tile t, and each tile's share after
     // its rows are final (every thread; y_t = finish's value).
     __device__ Tail tail_load(int t) const {
-        if constexpr (ROUTE) return route_tail_load(tp.route, t, threadIdx.x);
+        if constexpr (ROUTE) return route_tail_load<FE, FBITS>(tp.route, t, threadIdx.x);
         else return Tail{};
     }
     __device__ void tail(int t, float y_t, const Tail& first, bool is_first, float* hs) const {
-        if constexpr (ROUTE) route_tail(tp.route, t, y_t, first, is_first, hs);
+        if constexpr (ROUTE) route_tail<FE, FBITS>(tp.route, t, y_t, first, is_first, hs);
     }
 };
 
@@ -982,6 +990,15 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 MTC_KERNELS(1, MTC_NB_C1)
 MTC_KERNELS(2, MTC_NB_C2)
 MTC_KERNELS(4, MTC_NB_C4)
+// The out-projections for Qwen3.5/3.6 (K 4096; a q8 router over 256 experts; the DeltaNet's head norm
+// over heads of 128 with 8 parts each: the 35B-A3B), their dims compiled in; matvec::out_kernel_suffix
+// picks them where they match.
+extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_headnorm_route_q4_c4_e256_q8_hd128(const TcMatvecParams p) {
+    tc_body<4, MTC_NB_C4>(MatvecMapT<true, true, 256, 8, 128, 8>{p.m, p});
+}
+extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_route_q4_c4_e256_q8(const TcMatvecParams p) {
+    tc_body<4, MTC_NB_C4>(MatvecMapT<false, true, 256, 8>{p.m, p});
+}
 // Gate/up for Qwen3.5/3.6's MoE (D 2048, 256 experts, top-8, expert and shared intermediate 512: the
 // 35B-A3B), its dims compiled in; moe::gate_up_kernel picks it where they match.
 // (Three blocks per SM, ≤ 80 registers, so the 576 tiles spread over 396 blocks at ≤ 2 each: step

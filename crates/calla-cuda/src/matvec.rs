@@ -204,7 +204,13 @@ pub fn matvec_head_norm(
     } else {
         "headnorm"
     };
-    let name = format!("matvec_tc_{kind}_q4_c{}", k / 1024);
+    let qwen35 =
+        k == 4096 && route.is_some_and(qwen35_router) && norm.head_dim == 128 && norm.nparts == 8;
+    let name = if qwen35 && !lab_out_generic() {
+        "matvec_tc_headnorm_route_q4_c4_e256_q8_hd128".to_string()
+    } else {
+        format!("matvec_tc_{kind}_q4_c{}", k / 1024)
+    };
     tensor_core_launch(gpu, &name, k, p.total_rows as usize, &tp)
 }
 
@@ -227,8 +233,23 @@ pub fn matvec_routed(
         route: *route,
         ..Default::default()
     };
-    let name = format!("matvec_tc_route_q4_c{}", k / 1024);
+    let name = if k == 4096 && qwen35_router(route) && !lab_out_generic() {
+        "matvec_tc_route_q4_c4_e256_q8".to_string()
+    } else {
+        format!("matvec_tc_route_q4_c{}", k / 1024)
+    };
     tensor_core_launch(gpu, &name, k, tp.m.total_rows as usize, &tp)
+}
+
+/// Whether the fused routing's router is Qwen3.5/3.6's as the specialised out-projections
+/// (kernels/matvec_tc.cu `*_e256_q8*`) compile it in: 256 experts, 8-bit codes.
+fn qwen35_router(route: &crate::moe::RouteTail) -> bool {
+    route.e == 256 && route.bits == 8
+}
+
+/// Lab: `CALLA_LAB_OUT_GENERIC` runs the out-projections' general kernels (for measuring).
+fn lab_out_generic() -> bool {
+    std::env::var("CALLA_LAB_OUT_GENERIC").is_ok()
 }
 
 /// The dynamic shared memory of a kernels/matvec_tc.cu matvec: x̂'s B fragments (hi, lo) and Σx̂ per
