@@ -199,17 +199,9 @@ pub fn matvec_head_norm(
         route.is_none() || accumulate,
         "the fused routing runs on the residual (an accumulating product)"
     );
-    let kind = if route.is_some() {
-        "headnorm_route"
-    } else {
-        "headnorm"
-    };
-    let qwen35 =
-        k == 4096 && route.is_some_and(qwen35_router) && norm.head_dim == 128 && norm.nparts == 8;
-    let name = if qwen35 && !lab_out_generic() {
-        "matvec_tc_headnorm_route_q4_c4_e256_q8_hd128".to_string()
-    } else {
-        format!("matvec_tc_{kind}_q4_c{}", k / 1024)
+    let name = match route {
+        Some(route) => routed_kernel(k, route, Some(&norm)),
+        None => format!("matvec_tc_headnorm_q4_c{}", k / 1024),
     };
     tensor_core_launch(gpu, &name, k, p.total_rows as usize, &tp)
 }
@@ -233,23 +225,30 @@ pub fn matvec_routed(
         route: *route,
         ..Default::default()
     };
-    let name = if k == 4096 && qwen35_router(route) && !lab_out_generic() {
-        "matvec_tc_route_q4_c4_e256_q8".to_string()
-    } else {
-        format!("matvec_tc_route_q4_c{}", k / 1024)
-    };
+    let name = routed_kernel(k, route, None);
     tensor_core_launch(gpu, &name, k, tp.m.total_rows as usize, &tp)
 }
 
-/// Whether the fused routing's router is Qwen3.5/3.6's as the specialised out-projections
-/// (kernels/matvec_tc.cu `*_e256_q8*`) compile it in: 256 experts, 8-bit codes.
-fn qwen35_router(route: &crate::moe::RouteTail) -> bool {
-    route.e == 256 && route.bits == 8
-}
-
-/// Lab: `CALLA_LAB_OUT_GENERIC` runs the out-projections' general kernels (for measuring).
-fn lab_out_generic() -> bool {
-    std::env::var("CALLA_LAB_OUT_GENERIC").is_ok()
+/// The out-projection kernel with the fused routing `route` over K `k` inputs, with the DeltaNet head
+/// norm `norm` or without: a copy compiled for Qwen3.5/3.6 where it applies (K 4096, a q8 router over
+/// 256 experts, heads of 128 with 8 parts: kernels/matvec_tc.cu `*_e256_q8*`), else the one that
+/// reads them from its parameters (always with the lab switch `CALLA_LAB_OUT_GENERIC`).
+pub fn routed_kernel(k: usize, route: &crate::moe::RouteTail, norm: Option<&HeadNorm>) -> String {
+    let kind = if norm.is_some() {
+        "headnorm_route"
+    } else {
+        "route"
+    };
+    let qwen35 = k == 4096
+        && route.e == 256
+        && route.bits == 8
+        && norm.is_none_or(|n| n.head_dim == 128 && n.nparts == 8);
+    if qwen35 && std::env::var("CALLA_LAB_OUT_GENERIC").is_err() {
+        let hd = if norm.is_some() { "_hd128" } else { "" };
+        format!("matvec_tc_{kind}_q4_c4_e256_q8{hd}")
+    } else {
+        format!("matvec_tc_{kind}_q4_c{}", k / 1024)
+    }
 }
 
 /// The dynamic shared memory of a kernels/matvec_tc.cu matvec: x̂'s B fragments (hi, lo) and Σx̂ per

@@ -253,7 +253,13 @@ fn gate_up_launch(
 /// The tensor-core gate/up kernel: a copy compiled for Qwen3.5/3.6's MoE (D 2048, 256 experts, top-8,
 /// intermediate 512 for the experts and the shared expert, selecting in every block; its selection
 /// loops and tile arithmetic fold), else the one that reads the dims from its parameters.
-fn gate_up_kernel(d: usize, i: usize, is: usize, a: usize, route: Option<&RouteParams>) -> String {
+pub fn gate_up_kernel(
+    d: usize,
+    i: usize,
+    is: usize,
+    a: usize,
+    route: Option<&RouteParams>,
+) -> String {
     let qwen35 = d == 2048
         && i == 512
         && is == 512
@@ -263,6 +269,18 @@ fn gate_up_kernel(d: usize, i: usize, is: usize, a: usize, route: Option<&RouteP
         "matvec_tc_gate_up_q4_c2_e256_a8_i512".to_string()
     } else {
         format!("matvec_tc_gate_up_q4_c{}", d / 1024)
+    }
+}
+
+/// The tensor-core down kernel for D `d`, top-`a` and the experts' and shared expert's intermediate
+/// sizes (None: no such slot): a copy compiled for Qwen3.5/3.6's MoE (D 2048, top-8, 512; its chunk →
+/// slot arithmetic folds), else the one that reads them from its parameters.
+pub fn down_kernel(d: usize, a: usize, i: Option<usize>, is: Option<usize>) -> &'static str {
+    let qwen35 = d == 2048 && a == 8 && i.is_none_or(|i| i == 512) && is.is_none_or(|is| is == 512);
+    if qwen35 && std::env::var("CALLA_LAB_DOWN_GENERIC").is_err() {
+        "matvec_tc_down_q4_a8_i512_d2048"
+    } else {
+        "matvec_tc_down_q4"
     }
 }
 
@@ -341,16 +359,7 @@ fn down_launch(
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .unwrap_or(0);
-        let qwen35 = d == 2048
-            && a == 8
-            && routed.is_none_or(|r| r.0.cols == 512)
-            && shared.is_none_or(|s| s.0.cols == 512);
-        let name = if qwen35 && std::env::var("CALLA_LAB_DOWN_GENERIC").is_err() {
-            // compiled for Qwen3.5/3.6's MoE dims (its chunk → slot arithmetic folds)
-            "matvec_tc_down_q4_a8_i512_d2048"
-        } else {
-            "matvec_tc_down_q4"
-        };
+        let name = down_kernel(d, a, routed.map(|r| r.0.cols), shared.map(|s| s.0.cols));
         return Launch::new(
             gpu,
             name,

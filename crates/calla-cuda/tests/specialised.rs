@@ -1,0 +1,135 @@
+//! The decode kernels compiled for Qwen3.5/3.6's dims (docs/performance.md, session 18): the
+//! launchers pick each copy for the real model's spec and the general kernel for other dims, and
+//! every name they pick for the real model is a kernel its .cu file defines (a renamed or removed
+//! copy would otherwise surface only when a GPU loads the module). That a copy computes what its
+//! general kernel computes is checked on the GPU: the real-shape digests are the same with and
+//! without the `CALLA_LAB_*_GENERIC` switches, and every kernel test runs against the CPU reference.
+
+use calla_cuda::kernels::{KernelSource, ATTENTION, DELTANET, MATVEC_TC};
+use calla_cuda::matvec::HeadNorm;
+use calla_cuda::moe::{RouteParams, RouteTail};
+use calla_cuda::{attention, deltanet, matvec, moe};
+use calla_model::synthetic::preset;
+
+/// Whether `src` defines `extern "C" __global__ … name(`.
+fn defines(src: &KernelSource, name: &str) -> bool {
+    let call = format!(" {name}(");
+    let mut after_global = false;
+    for line in src.source.lines() {
+        if line.contains("extern \"C\" __global__") {
+            after_global = true;
+        }
+        // the name may sit on the line after `extern "C" __global__ … __launch_bounds__(…)`
+        if after_global && line.contains(&call) {
+            return true;
+        }
+        if line.contains('{') {
+            after_global = false;
+        }
+    }
+    false
+}
+
+fn route(e: i32, a: i32) -> RouteParams {
+    RouteParams {
+        e,
+        a,
+        ..Default::default()
+    }
+}
+
+fn tail(e: i32, bits: i32) -> RouteTail {
+    RouteTail {
+        e,
+        bits,
+        ..Default::default()
+    }
+}
+
+const DN_NORM: HeadNorm = HeadNorm {
+    head_dim: 128,
+    nparts: 8,
+    eps: 1e-6,
+};
+
+#[test]
+fn the_real_model_gets_the_compiled_copies_and_they_exist() {
+    let spec = preset("qwen3.6-35b-a3b").expect("the real model's preset");
+    let picks = [
+        (&ATTENTION, attention::barrier_kernel(&spec).to_string()),
+        (&DELTANET, deltanet::parts_kernel(&spec)),
+        (
+            &MATVEC_TC,
+            moe::gate_up_kernel(2048, 512, 512, 8, Some(&route(256, 8))),
+        ),
+        (
+            &MATVEC_TC,
+            moe::down_kernel(2048, 8, Some(512), Some(512)).to_string(),
+        ),
+        (
+            &MATVEC_TC,
+            matvec::routed_kernel(4096, &tail(256, 8), Some(&DN_NORM)),
+        ),
+        (&MATVEC_TC, matvec::routed_kernel(4096, &tail(256, 8), None)),
+    ];
+    let expected = [
+        "attn_decode_bf16_bar_dh256_g8",
+        "deltanet_decode_kpl4_split8_parts_k4_v128_r2",
+        "matvec_tc_gate_up_q4_c2_e256_a8_i512",
+        "matvec_tc_down_q4_a8_i512_d2048",
+        "matvec_tc_headnorm_route_q4_c4_e256_q8_hd128",
+        "matvec_tc_route_q4_c4_e256_q8",
+    ];
+    for ((src, name), want) in picks.iter().zip(expected) {
+        assert_eq!(name, want, "the launcher's pick for the real model");
+        assert!(defines(src, name), "{} defines no kernel {name}", src.file);
+    }
+    // the check finds definitions, not mentions: these names occur in comments or not at all
+    assert!(!defines(&MATVEC_TC, "matvec_tc_gate_up_q4_c2_e256_a8_i1024"));
+    assert!(!defines(&MATVEC_TC, "tc_body"));
+}
+
+#[test]
+fn other_dims_get_the_general_kernels() {
+    let tiny = preset("tiny").expect("the tiny preset");
+    assert_eq!(attention::barrier_kernel(&tiny), "attn_decode_bf16_bar");
+    assert!(defines(&ATTENTION, "attn_decode_bf16_bar"));
+    assert!(!deltanet::parts_kernel(&tiny).ends_with("_k4_v128_r2"));
+    // one dim off is enough to fall back
+    assert_eq!(
+        moe::gate_up_kernel(2048, 512, 512, 8, Some(&route(128, 8))),
+        "matvec_tc_gate_up_q4_c2"
+    );
+    assert_eq!(
+        moe::gate_up_kernel(2048, 768, 512, 8, Some(&route(256, 8))),
+        "matvec_tc_gate_up_q4_c2"
+    );
+    assert_eq!(
+        moe::gate_up_kernel(2048, 512, 512, 8, None),
+        "matvec_tc_gate_up_q4_c2"
+    );
+    assert_eq!(
+        moe::down_kernel(2048, 10, Some(512), Some(512)),
+        "matvec_tc_down_q4"
+    );
+    assert_eq!(
+        moe::down_kernel(4096, 8, Some(512), Some(512)),
+        "matvec_tc_down_q4"
+    );
+    assert_eq!(
+        matvec::routed_kernel(4096, &tail(256, 4), Some(&DN_NORM)),
+        "matvec_tc_headnorm_route_q4_c4"
+    );
+    let wide_heads = HeadNorm {
+        head_dim: 256,
+        ..DN_NORM
+    };
+    assert_eq!(
+        matvec::routed_kernel(4096, &tail(256, 8), Some(&wide_heads)),
+        "matvec_tc_headnorm_route_q4_c4"
+    );
+    assert_eq!(
+        matvec::routed_kernel(2048, &tail(256, 8), None),
+        "matvec_tc_route_q4_c2"
+    );
+}
