@@ -85,7 +85,10 @@ fn the_real_model_gets_the_compiled_copies_and_they_exist() {
         assert!(defines(src, name), "{} defines no kernel {name}", src.file);
     }
     // the check finds definitions, not mentions: these names occur in comments or not at all
-    assert!(!defines(&MATVEC_TC, "matvec_tc_gate_up_q4_c2_e256_a8_i1024"));
+    assert!(!defines(
+        &MATVEC_TC,
+        "matvec_tc_gate_up_q4_c2_e256_a8_i1024"
+    ));
     assert!(!defines(&MATVEC_TC, "tc_body"));
 }
 

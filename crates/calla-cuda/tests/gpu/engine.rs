@@ -267,6 +267,76 @@ fn engine_layer_kernel_matches_chain() {
     );
 }
 
+/// The decode kernels compiled for Qwen3.5/3.6's dims (attention, DeltaNet, gate/up, down, the
+/// out-projections: docs/performance.md, session 18) against the general kernels they were made
+/// from, on the same random real-dims model: the `CALLA_LAB_*_GENERIC` switches make the launchers
+/// pick the general kernels while the second backend is built and run. Same operations in the same
+/// order, so every token and every log-probability must be equal to the bit. The switches are
+/// process-wide: this runs where the GPU tests run, one test at a time (scripts/gpu-parity.sh).
+/// Not named engine_… so that gpu-parity.sh's kernel group runs it.
+#[test]
+#[ignore = "needs CUDA"]
+fn compiled_copies_match_the_general_kernels() {
+    const SWITCHES: [&str; 5] = [
+        "CALLA_LAB_ATTN_GENERIC",
+        "CALLA_LAB_DN_GENERIC",
+        "CALLA_LAB_GATE_UP_GENERIC",
+        "CALLA_LAB_DOWN_GENERIC",
+        "CALLA_LAB_OUT_GENERIC",
+    ];
+    let _ = gpu();
+    let spec = real_spec(
+        &[
+            LayerKind::DeltaNet,
+            LayerKind::Attention,
+            LayerKind::DeltaNet,
+            LayerKind::DeltaNet,
+        ],
+        248_320,
+    );
+    let w = random_weights(&spec, Some(Quant::Q4), 95);
+    let mut rng = Rng::new(96);
+    let prompt: Vec<u32> = (0..24).map(|_| rng.below(spec.vocab_size) as u32).collect();
+    let steps = 24;
+    let run = || {
+        let opts = CudaOptions {
+            max_context: Some(prompt.len() + steps + 8),
+            kv_cache: KvDtype::Bf16,
+            ..Default::default()
+        };
+        let mut be = CudaBackend::new(&spec, &w, &opts).unwrap();
+        greedy(&mut be, &prompt, steps)
+    };
+    let copies = run();
+    for s in SWITCHES {
+        std::env::set_var(s, "1");
+    }
+    let general = run();
+    for s in SWITCHES {
+        std::env::remove_var(s);
+    }
+    let bits = |c: &TokenChoice| {
+        let top: Vec<(u32, u32)> = c.top.iter().map(|&(id, lp)| (id, lp.to_bits())).collect();
+        (c.token, c.logprob.to_bits(), top)
+    };
+    let same = copies
+        .iter()
+        .zip(&general)
+        .take_while(|(a, b)| bits(a) == bits(b))
+        .count();
+    let pass = check_count(
+        "compiled copies vs general kernels: real dims ×4 q4",
+        &format!("{steps} steps, bf16 KV, bits"),
+        same,
+        steps,
+        "bit-equal",
+    );
+    assert!(
+        pass,
+        "the compiled copies differ from the general kernels from step {same} on"
+    );
+}
+
 #[derive(serde::Deserialize)]
 struct Reference {
     prompt_ids: Vec<u32>,
