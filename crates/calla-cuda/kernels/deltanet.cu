@@ -369,7 +369,7 @@ DN_KERNEL_PARTS(2)
 DN_KERNEL_PARTS(4)
 DN_KERNEL_PARTS(8)
 // The same for Qwen3.5/3.6's DeltaNet (Dk = Dv = 128, 4 conv taps, 2 value heads per key head: the
-// 35B-A3B's 32 over 16), its dims compiled in; deltanet::decode_parts picks it where they match.
+// 35B-A3B's 32 over 16), its dims compiled in; deltanet::parts_kernel picks it where they match.
 extern "C" __global__ void __launch_bounds__(DN_THREADS, DN_MIN_BLOCKS_SPLIT(4))
     deltanet_decode_kpl4_split8_parts_k4_v128_r2(const DeltaNetParams p) {
     griddep_enter(); // cursor, projections and state come from earlier kernels

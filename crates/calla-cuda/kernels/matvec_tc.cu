@@ -991,7 +991,7 @@ MTC_KERNELS(1, MTC_NB_C1)
 MTC_KERNELS(2, MTC_NB_C2)
 MTC_KERNELS(4, MTC_NB_C4)
 // The out-projections for Qwen3.5/3.6 (K 4096; a q8 router over 256 experts; the DeltaNet's head norm
-// over heads of 128 with 8 parts each: the 35B-A3B), their dims compiled in; matvec::out_kernel_suffix
+// over heads of 128 with 8 parts each: the 35B-A3B), their dims compiled in; matvec::routed_kernel
 // picks them where they match.
 extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_headnorm_route_q4_c4_e256_q8_hd128(const TcMatvecParams p) {
     tc_body<4, MTC_NB_C4>(MatvecMapT<true, true, 256, 8, 128, 8>{p.m, p});
