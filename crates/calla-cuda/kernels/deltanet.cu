@@ -354,10 +354,10 @@ static_assert(DN_SPLIT == 8, "the kernel names say split8");
 #endif
 // deltanet_decode_kplN_split8_parts: the same 8 blocks per head, no cluster (any device): y ←
 // w·o·silu(z) and the blocks' Σo² parts (DN_OUT_PARTS); the out-projection finishes the norm.
-template <int KPL>
+template <int KPL, int CK = 0, int DV = 0, int RATIO = 0> // the compiled-in dims: deltanet_decode_item
 __device__ __forceinline__ void deltanet_decode_parts_body(const DeltaNetParams& p) {
     griddep_enter(); // cursor, projections and state come from earlier kernels
-    deltanet_decode_item<KPL, DN_SPLIT, DN_OUT_PARTS>(p, blockIdx.x);
+    deltanet_decode_item<KPL, DN_SPLIT, DN_OUT_PARTS, CK, DV, RATIO>(p, blockIdx.x);
 }
 #define DN_KERNEL_PARTS(KPL) \
     extern "C" __global__ void __launch_bounds__(DN_THREADS, DN_MIN_BLOCKS_SPLIT(KPL)) \
@@ -372,8 +372,7 @@ DN_KERNEL_PARTS(8)
 // 35B-A3B's 32 over 16), its dims compiled in; deltanet::parts_kernel picks it where they match.
 extern "C" __global__ void __launch_bounds__(DN_THREADS, DN_MIN_BLOCKS_SPLIT(4))
     deltanet_decode_kpl4_split8_parts_k4_v128_r2(const DeltaNetParams p) {
-    griddep_enter(); // cursor, projections and state come from earlier kernels
-    deltanet_decode_item<4, DN_SPLIT, DN_OUT_PARTS, 4, 128, 2>(p, blockIdx.x);
+    deltanet_decode_parts_body<4, 4, 128, 2>(p);
 }
 #endif // PHASES_ONLY
 static_assert(DN_WARPS * DN_PREFETCH_COLS >= (DN_MAX_DV + DN_SPLIT - 1) / DN_SPLIT,

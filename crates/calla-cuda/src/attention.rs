@@ -182,7 +182,10 @@ const BARRIER_MAX_SPLITS: usize = 128;
 /// its parameters.
 pub fn barrier_kernel(spec: &ModelSpec) -> &'static str {
     let g = spec.num_attention_heads / spec.num_key_value_heads;
-    if spec.head_dim == 256 && g == 8 && std::env::var("CALLA_LAB_ATTN_GENERIC").is_err() {
+    if spec.head_dim == 256
+        && g == 8
+        && crate::kernels::compiled_copy_allowed("CALLA_LAB_ATTN_GENERIC")
+    {
         "attn_decode_bf16_bar_dh256_g8"
     } else {
         "attn_decode_bf16_bar"

@@ -158,7 +158,7 @@ pub fn parts_kernel(spec: &ModelSpec) -> String {
         && spec.linear_value_head_dim == 128
         && spec.linear_conv_kernel_dim == 4
         && spec.linear_num_value_heads == 2 * spec.linear_num_key_heads;
-    if qwen35 && std::env::var("CALLA_LAB_DN_GENERIC").is_err() {
+    if qwen35 && crate::kernels::compiled_copy_allowed("CALLA_LAB_DN_GENERIC") {
         format!("deltanet_decode_kpl4_split{SPLIT}_parts_k4_v128_r2")
     } else {
         format!(

@@ -95,3 +95,11 @@ pub const ALL: &[&KernelSource] = &[
 /// persistent decode layer (CALLA_DECODE=layer) and the lab's streaming floor, so that start-up
 /// does not compile them for everyone.
 pub const ON_DEMAND: &[&KernelSource] = &[&DECODE_LAYER, &LAB_STREAM];
+
+/// Whether a launcher may pick a kernel compiled for Qwen3.5/3.6's dims (docs/performance.md,
+/// session 18) over the general one it was made from: yes unless the lab switch `switch`
+/// (`CALLA_LAB_ATTN_GENERIC`, `_DN_`, `_GATE_UP_`, `_DOWN_`, `_OUT_GENERIC`) is set, which A/B runs
+/// and the GPU test of the copies against the general kernels use.
+pub fn compiled_copy_allowed(switch: &str) -> bool {
+    std::env::var_os(switch).is_none()
+}

@@ -243,7 +243,7 @@ pub fn routed_kernel(k: usize, route: &crate::moe::RouteTail, norm: Option<&Head
         && route.e == 256
         && route.bits == 8
         && norm.is_none_or(|n| n.head_dim == 128 && n.nparts == 8);
-    if qwen35 && std::env::var("CALLA_LAB_OUT_GENERIC").is_err() {
+    if qwen35 && crate::kernels::compiled_copy_allowed("CALLA_LAB_OUT_GENERIC") {
         let hd = if norm.is_some() { "_hd128" } else { "" };
         format!("matvec_tc_{kind}_q4_c4_e256_q8{hd}")
     } else {

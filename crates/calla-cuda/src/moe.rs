@@ -265,7 +265,7 @@ pub fn gate_up_kernel(
         && is == 512
         && a == 8
         && route.is_some_and(|r| r.e == 256 && r.a == 8);
-    if qwen35 && std::env::var("CALLA_LAB_GATE_UP_GENERIC").is_err() {
+    if qwen35 && crate::kernels::compiled_copy_allowed("CALLA_LAB_GATE_UP_GENERIC") {
         "matvec_tc_gate_up_q4_c2_e256_a8_i512".to_string()
     } else {
         format!("matvec_tc_gate_up_q4_c{}", d / 1024)
@@ -277,7 +277,7 @@ pub fn gate_up_kernel(
 /// slot arithmetic folds), else the one that reads them from its parameters.
 pub fn down_kernel(d: usize, a: usize, i: Option<usize>, is: Option<usize>) -> &'static str {
     let qwen35 = d == 2048 && a == 8 && i.is_none_or(|i| i == 512) && is.is_none_or(|is| is == 512);
-    if qwen35 && std::env::var("CALLA_LAB_DOWN_GENERIC").is_err() {
+    if qwen35 && crate::kernels::compiled_copy_allowed("CALLA_LAB_DOWN_GENERIC") {
         "matvec_tc_down_q4_a8_i512_d2048"
     } else {
         "matvec_tc_down_q4"

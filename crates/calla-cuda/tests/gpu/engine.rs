@@ -211,6 +211,49 @@ fn engine_matches_cpu_at_real_shapes() {
     ));
 }
 
+const REAL_X4_STEPS: usize = 24;
+
+/// A random q4 model at the real Qwen3.6-35B-A3B dims with 4 layers (DeltaNet, attention, DeltaNet,
+/// DeltaNet) and a random 24-token prompt from `seed`: the engine tests that set two decode paths
+/// against each other.
+struct RealDimsX4 {
+    spec: ModelSpec,
+    w: Weights,
+    prompt: Vec<u32>,
+}
+
+impl RealDimsX4 {
+    fn new(seed: u64) -> RealDimsX4 {
+        let _ = gpu();
+        let spec = real_spec(
+            &[
+                LayerKind::DeltaNet,
+                LayerKind::Attention,
+                LayerKind::DeltaNet,
+                LayerKind::DeltaNet,
+            ],
+            248_320,
+        );
+        let w = random_weights(&spec, Some(Quant::Q4), seed);
+        let mut rng = Rng::new(seed + 1);
+        let prompt = (0..24).map(|_| rng.below(spec.vocab_size) as u32).collect();
+        RealDimsX4 { spec, w, prompt }
+    }
+
+    /// REAL_X4_STEPS greedy steps on a fresh backend (bf16 KV), the persistent layer kernel or the
+    /// chain (`fused_layers`).
+    fn greedy(&self, fused_layers: bool) -> Vec<TokenChoice> {
+        let opts = CudaOptions {
+            max_context: Some(self.prompt.len() + REAL_X4_STEPS + 8),
+            kv_cache: KvDtype::Bf16,
+            fused_layers,
+            ..Default::default()
+        };
+        let mut be = CudaBackend::new(&self.spec, &self.w, &opts).unwrap();
+        greedy(&mut be, &self.prompt, REAL_X4_STEPS)
+    }
+}
+
 /// The persistent decode layer (decode_layer.cu, CALLA_DECODE=layer) against the chain of launches
 /// it replaces, on the same real-dims weights: the same greedy tokens, log-probabilities within
 /// 2e-4 (the phases are the chain's device functions; only the gated norm's Σo² is summed in
@@ -218,31 +261,9 @@ fn engine_matches_cpu_at_real_shapes() {
 #[test]
 #[ignore = "needs CUDA"]
 fn engine_layer_kernel_matches_chain() {
-    let _ = gpu();
-    let spec = real_spec(
-        &[
-            LayerKind::DeltaNet,
-            LayerKind::Attention,
-            LayerKind::DeltaNet,
-            LayerKind::DeltaNet,
-        ],
-        248_320,
-    );
-    let w = random_weights(&spec, Some(Quant::Q4), 93);
-    let mut rng = Rng::new(94);
-    let prompt: Vec<u32> = (0..24).map(|_| rng.below(spec.vocab_size) as u32).collect();
-    let steps = 24;
-    let run = |fused: bool| {
-        let opts = CudaOptions {
-            max_context: Some(prompt.len() + steps + 8),
-            kv_cache: KvDtype::Bf16,
-            fused_layers: fused,
-            ..Default::default()
-        };
-        let mut be = CudaBackend::new(&spec, &w, &opts).unwrap();
-        greedy(&mut be, &prompt, steps)
-    };
-    let (chain, fused) = (run(false), run(true));
+    let model = RealDimsX4::new(93);
+    let steps = REAL_X4_STEPS;
+    let (chain, fused) = (model.greedy(false), model.greedy(true));
     let same = chain
         .iter()
         .zip(&fused)
@@ -284,34 +305,13 @@ fn compiled_copies_match_the_general_kernels() {
         "CALLA_LAB_DOWN_GENERIC",
         "CALLA_LAB_OUT_GENERIC",
     ];
-    let _ = gpu();
-    let spec = real_spec(
-        &[
-            LayerKind::DeltaNet,
-            LayerKind::Attention,
-            LayerKind::DeltaNet,
-            LayerKind::DeltaNet,
-        ],
-        248_320,
-    );
-    let w = random_weights(&spec, Some(Quant::Q4), 95);
-    let mut rng = Rng::new(96);
-    let prompt: Vec<u32> = (0..24).map(|_| rng.below(spec.vocab_size) as u32).collect();
-    let steps = 24;
-    let run = || {
-        let opts = CudaOptions {
-            max_context: Some(prompt.len() + steps + 8),
-            kv_cache: KvDtype::Bf16,
-            ..Default::default()
-        };
-        let mut be = CudaBackend::new(&spec, &w, &opts).unwrap();
-        greedy(&mut be, &prompt, steps)
-    };
-    let copies = run();
+    let model = RealDimsX4::new(95);
+    let steps = REAL_X4_STEPS;
+    let copies = model.greedy(false);
     for s in SWITCHES {
         std::env::set_var(s, "1");
     }
-    let general = run();
+    let general = model.greedy(false);
     for s in SWITCHES {
         std::env::remove_var(s);
     }
