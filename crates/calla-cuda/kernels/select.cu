@@ -781,6 +781,159 @@ __device__ __forceinline__ int sel_ties_before(const SelectParams& p, int sb) {
     return (int)grid_row_sum(p, SEL_GRID_ROW_TIES, sb);
 }
 
+// Thread 0, once the token is chosen: the SelectResult (res->n_top and the top lists already written)
+// and its host mirror at slot pos & 1, the draw step, the penalty tables' count of the token, the
+// cursor's advance, and the ticket reset for the next launch.
+__device__ __forceinline__ void publish_choice(const SelectParams& p, const SelectConfig& c, int token, float logprob,
+                                               int sampled, int pos) {
+    SelectResult* res = (SelectResult*)p.result;
+    res->token = token;
+    res->logprob = logprob;
+    res->sampled = sampled;
+    SelectConfig* cfg = (SelectConfig*)p.config;
+    const u64 step = (((u64)c.step_hi) << 32 | c.step_lo) + 1;
+    cfg->step_lo = (u32)step;
+    cfg->step_hi = (u32)(step >> 32);
+    if (c.use_counts) ((u32*)p.counts)[token] += 1;
+    if (c.use_seen) ((u8*)p.seen)[token] = 1;
+    if (p.result_host) { // thread 0 wrote every field of res itself; pos: the cursor's, before the advance below
+        SelectResult* h = (SelectResult*)p.result_host + (pos & 1);
+        const int n_top = res->n_top;
+        for (int k = 0; k < n_top; ++k) {
+            h->top_ids[k] = res->top_ids[k];
+            h->top_logprobs[k] = res->top_logprobs[k];
+        }
+        h->n_top = n_top;
+        h->sampled = sampled;
+        h->logprob = logprob;
+        h->token = token;
+    }
+    if (p.advance) {
+        Cursor* cur = (Cursor*)p.cursor;
+        cur->token = token;
+        cur->pos += 1;
+    }
+    *(u32*)p.counter = 0u;
+    if (p.sub_log2 > 0) *sel_grid_list_count(p) = 0u; // every block has read the candidates' list
+}
+
+// ---------------------------------------------------------------- plain greedy
+// T = 0 with no logit bias, no penalties and no top logprobs (z = raw, nothing ranked): the argmax and
+// the log-sum-exp of the raw logits, in registers. Each thread keeps (max, Σ exp(raw − max)) and its
+// best (value ↓, id ↑); warps and then warp 0 merge them into the block's partial; warp 0 of the
+// ticket's last block merges the partials (each lane two, loaded together: ≤ 64 blocks) and
+// publishes. The general path computes the same through its shared-memory arrays, a second pass for
+// the sum, block barriers for the lists it would rank, and a 256-thread last block reading the
+// partials field by field: 15.0 µs from the first warp's entry to the result at V = 248,320 (lab
+// stamps), 11.6 µs per launch in the no-graph profile, against 6.7 for this path (docs/performance.md,
+// session 19). The token is the general path's (the same total order); the log-probability's sum is
+// in another order (rounding).
+struct GreedyAcc {
+    float m, s; // max raw, Σ exp(raw − m)
+    float v;    // best value (NEG_INF with id INT_MAX: none)
+    int i;
+};
+__device__ __forceinline__ GreedyAcc greedy_merge(GreedyAcc a, GreedyAcc b) {
+    const float M = fmaxf(a.m, b.m);
+    if (M > NEG_INF) a.s = (a.m > NEG_INF ? a.s * expf(a.m - M) : 0.0f) + (b.m > NEG_INF ? b.s * expf(b.m - M) : 0.0f);
+    a.m = M;
+    if (b.v > a.v || (b.v == a.v && b.i < a.i)) { a.v = b.v; a.i = b.i; }
+    return a;
+}
+__device__ __forceinline__ GreedyAcc greedy_warp_merge(GreedyAcc a) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        a = greedy_merge(a, GreedyAcc{__shfl_xor_sync(0xffffffffu, a.m, o), __shfl_xor_sync(0xffffffffu, a.s, o),
+                                      __shfl_xor_sync(0xffffffffu, a.v, o), __shfl_xor_sync(0xffffffffu, a.i, o)});
+    return a;
+}
+// lv: this thread's first SEL_PER_THREAD logits of the block's chunk [lo, lo + n), requested by the
+// caller (k = threadIdx.x + j·blockDim.x; values past n unused).
+__device__ __forceinline__ void select_greedy(const SelectParams& p, const SelectConfig& c, float (&lv)[SEL_PER_THREAD],
+                                              int lo, int n) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    const float* logits = (const float*)p.logits;
+    // the cursor's position, for the last block's host copy: requested now, not after the merge
+    const int pos = p.result_host && tid == 0 ? ((const Cursor*)p.cursor)->pos : 0;
+    GreedyAcc a = {NEG_INF, 0.0f, NEG_INF, 0x7fffffff};
+    const int batch = SEL_PER_THREAD * blockDim.x;
+    for (int base = 0; base < n; base += batch) {
+        if (base > 0) {
+#pragma unroll
+            for (int j = 0; j < SEL_PER_THREAD; ++j) {
+                const int k = base + tid + j * blockDim.x;
+                lv[j] = k < n ? __ldcg(logits + lo + k) : 0.0f;
+            }
+        }
+        float bm = a.m;
+#pragma unroll
+        for (int j = 0; j < SEL_PER_THREAD; ++j) {
+            const int k = base + tid + j * blockDim.x;
+            const float r = k < n ? sanitise(lv[j]) : NEG_INF;
+            lv[j] = r;
+            bm = fmaxf(bm, r);
+            if (r > a.v) { a.v = r; a.i = lo + k; } // ids rise with j: the first of equals is kept
+        }
+        if (bm > NEG_INF) {
+            float sum = a.m > NEG_INF ? a.s * expf(a.m - bm) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < SEL_PER_THREAD; ++j) sum += expf(lv[j] - bm);
+            a.s = sum;
+            a.m = bm;
+        }
+    }
+    LAB_AFTER(a.s);
+    LAB_STAMP(2);
+    a = greedy_warp_merge(a);
+    __shared__ GreedyAcc w_acc[32];
+    if (lane == 0) w_acc[warp] = a;
+    __syncthreads();
+    if (warp != 0) return;
+    a = greedy_warp_merge(lane < nw ? w_acc[lane] : GreedyAcc{NEG_INF, 0.0f, NEG_INF, 0x7fffffff});
+    LAB_STAMP(3);
+    SelectPartial* parts = (SelectPartial*)p.partials;
+    int last = 0;
+    if (lane == 0) {
+        SelectPartial* part = parts + blockIdx.x;
+        part->raw_max = a.m;
+        part->raw_sum = a.s;
+        part->z_max = a.v;
+        part->z_arg = a.i;
+        __threadfence();
+        last = atomicAdd((unsigned*)p.counter, 1u) + 1 == gridDim.x;
+    }
+    LAB_STAMP(1);
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    LAB_STAMP(4);
+    // the partials, two per lane in flight at once (NB ≤ 64: select.rs MAX_BLOCKS)
+    const int NB = gridDim.x;
+    float pm[2], ps[2], pv[2];
+    int pi[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int b = lane + 32 * h;
+        const bool ok = b < NB;
+        pm[h] = ok ? __ldcg(&parts[b].raw_max) : NEG_INF;
+        ps[h] = ok ? __ldcg(&parts[b].raw_sum) : 0.0f;
+        pv[h] = ok ? __ldcg(&parts[b].z_max) : NEG_INF;
+        pi[h] = ok ? __ldcg(&parts[b].z_arg) : 0x7fffffff;
+    }
+    a = greedy_merge(GreedyAcc{pm[0], ps[0], pv[0], pi[0]}, GreedyAcc{pm[1], ps[1], pv[1], pi[1]});
+    LAB_STAMP(5);
+    a = greedy_warp_merge(a);
+    LAB_STAMP(6);
+    if (lane == 0) {
+        // as the general path: no finite logit at all → token 0 (the lowest id of equals)
+        const int token = a.v > NEG_INF || a.i != 0x7fffffff ? a.i : 0;
+        const float lse = a.m > NEG_INF ? a.m + logf(a.s) : NEG_INF;
+        const float raw_tok = token == a.i ? a.v : sanitise(__ldcg(logits + token));
+        ((SelectResult*)p.result)->n_top = 0;
+        publish_choice(p, c, token, raw_tok - lse, 0, pos);
+    }
+    LAB_STAMP(7);
+}
+
 extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const SelectParams p) {
     extern __shared__ float sm[];
     // two arrays of `arr` floats: a block's values, then the merged candidates / draw tiles
@@ -795,6 +948,22 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     SelectPartial* part = (SelectPartial*)p.partials + blockIdx.x;
     LAB_ON(1); // lab (LAB_STAMPS): every block, per warp
     LAB_STAMP(0);
+    // Every logit of the thread requested at once, before the configuration decides the path: one
+    // loop iteration per load waited ~0.6 µs for each in turn (the lm_head's logits come from L2).
+    // (A chunk beyond one batch, V > 262,144: the general path's loop reads them again.)
+    const bool one_batch = n <= SEL_PER_THREAD * (int)blockDim.x;
+    float lv[SEL_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < SEL_PER_THREAD; ++j) {
+        const int k = threadIdx.x + j * blockDim.x;
+        lv[j] = k < n ? __ldcg(logits + lo + k) : 0.0f;
+    }
+#if !defined(SEL_LAB_GENERAL_GREEDY) // lab: plain greedy through the general path
+    if (!sampling && c.n_logprobs <= 0 && !c.use_bias && !c.use_seen && !c.use_counts && gridDim.x <= 64) {
+        select_greedy(p, c, lv, lo, n);
+        return;
+    }
+#endif
 
     // ---- per-block partials
     float rmax = NEG_INF;
@@ -809,20 +978,14 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         if (better(z, lo + k, zb.v, zb.i)) { zb.v = z; zb.i = lo + k; }
         nfin += (z > NEG_INF && z < __int_as_float(0x7f800000)) ? 1 : 0;
     };
-    if (n <= SEL_PER_THREAD * (int)blockDim.x) {
-        // Every logit of the thread requested at once: one loop iteration per load waited ~0.6 µs
-        // for each in turn (the lm_head's logits come from L2), the ~15 of them most of this kernel.
-        float lv[SEL_PER_THREAD];
-#pragma unroll
-        for (int j = 0; j < SEL_PER_THREAD; ++j) {
-            const int k = threadIdx.x + j * blockDim.x;
-            lv[j] = k < n ? __ldcg(logits + lo + k) : 0.0f;
-        }
+    if (one_batch) {
 #pragma unroll
         for (int j = 0; j < SEL_PER_THREAD; ++j) {
             const int k = threadIdx.x + j * blockDim.x;
             if (k < n) take(k, lv[j]);
         }
+        LAB_AFTER(rmax);
+        if (!(sampling && p.sub_log2 > 0)) LAB_STAMP(2); // lab, greedy / last-block draw: logits in
     } else {
         for (int k = threadIdx.x; k < n; k += blockDim.x) take(k, logits[lo + k]);
     }
@@ -860,6 +1023,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     if (rmax > NEG_INF)
         for (int k = threadIdx.x; k < n; k += blockDim.x) rs += expf(raw[k] - rmax);
     rs = block_sum(rs, red);
+    if (!(sampling && p.sub_log2 > 0)) LAB_STAMP(3); // lab, greedy / last-block draw: block reduced
     float zs = 0.0f;
     if (sampling) {
         if (zb.v > NEG_INF)
@@ -1142,7 +1306,9 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     }
 
     // ---- the last block merges
+    if (!grid) LAB_STAMP(1); // lab, greedy / last-block draw: partial written
     if (!block_arrive_last((unsigned*)p.counter, gridDim.x)) return;
+    if (!grid) LAB_STAMP(4); // lab: the ticket's last block
     __shared__ int s_grid_token;
     if (threadIdx.x == 0) s_grid_token = grid && gs_mode == 0 && gs_drawn ? __ldcg((const int*)(p.grid + 8)) : -1;
     __syncthreads();
@@ -1170,6 +1336,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         p_raw_at[b] = parts[b].raw_at_arg;
     }
     __syncthreads();
+    if (!grid) LAB_STAMP(5); // lab: the partials read
     __shared__ float g_raw_at_arg;
     // One warp merges: lane l takes partials l, l + 32, … and the lanes combine by shuffles (a fixed
     // tree: the same sums every time; a thread-0 loop over the partials took microseconds).
@@ -1207,6 +1374,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         }
     }
     __syncthreads();
+    if (!grid) LAB_STAMP(6); // lab: merged
     // merged top logprobs: NB·nl candidates → best nl
     SelectResult* res = (SelectResult*)p.result;
     float* cv = raw; // reuse shared memory: candidates
@@ -1372,38 +1540,11 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         if (s_token >= 0) { token = s_token; sampled = 1; }
     }
     if (threadIdx.x == 0) {
-        res->token = token;
         // the greedy token's raw logit came with its partial; a drawn token's is read here
         const float raw_tok = token == g_arg && g_raw_at_arg == g_raw_at_arg ? g_raw_at_arg : sanitise(logits[token]);
-        res->logprob = raw_tok - g_lse;
-        res->sampled = sampled;
-        SelectConfig* cfg = (SelectConfig*)p.config;
-        const u64 step = (((u64)c.step_hi) << 32 | c.step_lo) + 1;
-        cfg->step_lo = (u32)step;
-        cfg->step_hi = (u32)(step >> 32);
-        if (c.use_counts) ((u32*)p.counts)[token] += 1;
-        if (c.use_seen) ((u8*)p.seen)[token] = 1;
-        if (p.result_host) { // thread 0 wrote every field of res itself
-            const int pos = ((const Cursor*)p.cursor)->pos; // before the advance below
-            SelectResult* h = (SelectResult*)p.result_host + (pos & 1);
-            const int n_top = res->n_top;
-            for (int k = 0; k < n_top; ++k) {
-                h->top_ids[k] = res->top_ids[k];
-                h->top_logprobs[k] = res->top_logprobs[k];
-            }
-            h->n_top = n_top;
-            h->sampled = sampled;
-            h->logprob = res->logprob;
-            h->token = token;
-        }
-        if (p.advance) {
-            Cursor* cur = (Cursor*)p.cursor;
-            cur->token = token;
-            cur->pos += 1;
-        }
-        *(u32*)p.counter = 0u;
-        if (p.sub_log2 > 0) *sel_grid_list_count(p) = 0u; // every block has read the candidates' list
+        publish_choice(p, c, token, raw_tok - g_lse, sampled, p.result_host ? ((const Cursor*)p.cursor)->pos : 0);
     }
+    if (!grid) LAB_STAMP(7); // lab: the result written (warp 0: after thread 0's stores)
 }
 
 // ---------------------------------------------------------------- penalty tables

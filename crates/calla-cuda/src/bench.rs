@@ -668,7 +668,7 @@ fn lab_global_report(gpu: &Arc<Gpu>, kernel: &str, events: &[(usize, &str)]) -> 
         }
         v.sort_by(f64::total_cmp);
         out += &format!(
-            "  {name:<34} {:7.2} {:7.2}  (min {:.2}, {} warps)\n",
+            "  {name:<62} {:7.2} {:7.2}  (min {:.2}, {} warps)\n",
             v[v.len() / 2],
             v[v.len() - 1],
             v[0],
@@ -789,19 +789,23 @@ fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
         }
     }
     if global {
-        // select.cu: every block of the grid draw, the phases of "sampling on the whole grid"
+        // select.cu: every block of the grid draw, the phases of "sampling on the whole grid"; in
+        // greedy (and the last block's draw) the events in parentheses
         out += &lab_global_report(
             gpu,
             "select_lab_stamps",
             &[
                 (0, "entry"),
-                (1, "partial written (grid draw)"),
-                (2, "first grid barrier passed"),
-                (3, "candidates ranked (plain: z max read)"),
-                (4, "top-p: total known"),
-                (5, "top-p: nucleus bound found"),
-                (6, "subtree roots written (barrier)"),
-                (7, "last block: drawn"),
+                (2, "first grid barrier passed (greedy: logits in)"),
+                (
+                    3,
+                    "candidates ranked (plain: z max read; greedy: block reduced)",
+                ),
+                (1, "partial written"),
+                (4, "top-p: total known (greedy: last block's ticket)"),
+                (5, "top-p: nucleus bound found (greedy: partials read)"),
+                (6, "subtree roots written (barrier) (greedy: merged)"),
+                (7, "last block: drawn (greedy: result written)"),
             ],
         )?;
     }
