@@ -433,9 +433,14 @@ struct TcMatvecParams {
 #define MTC_LAB_MATVEC 1
 #endif
 // FE, FBITS: the fused routing's router rows and code width, FHD, FNP: the head norm's head_dim and
-// parts per head, as compile-time constants (a specialised kernel), or 0 for tp's.
-template <bool HN, bool ROUTE = false, int FE = 0, int FBITS = 0, int FHD = 0, int FNP = 0>
+// parts per head, as compile-time constants (a specialised kernel), or 0 for tp's. NS > 0: the
+// segments' count, and R0, R1, R2 the rows of all but the last, compiled in (each a multiple of 16,
+// as the launcher checks for the last: a tile never straddles two segments), so a row's segment is
+// three compares with constants instead of matvec_locate's search over indexed parameter loads.
+template <bool HN, bool ROUTE = false, int FE = 0, int FBITS = 0, int FHD = 0, int FNP = 0, int NS = 0, int R0 = 0,
+          int R1 = 0, int R2 = 0>
 struct MatvecMapT {
+    static_assert(NS <= MAX_SEGMENTS && R0 % 16 == 0 && R1 % 16 == 0 && R2 % 16 == 0, "segments of whole tiles");
     static constexpr bool HEAD_NORM = HN;
     typedef typename PickType<ROUTE, RouteRegs, NoTail>::type Tail;
     static constexpr bool STATIC_ROWS = true; // row() depends on the parameters only
@@ -464,9 +469,18 @@ struct MatvecMapT {
     }
     // Row r of tile t. Addresses by 32 × 32 → 64-bit multiply-adds (a row's bytes, K/2, and its index
     // fit 32 bits): the i64 products were ~9 instructions per address (Nsight Compute, session 17).
+    __device__ void locate(int row, int& seg, int& local) const {
+        if constexpr (NS > 0) {
+            constexpr int B1 = R0, B2 = R0 + R1, B3 = R0 + R1 + R2;
+            seg = (NS > 1 && row >= B1) + (NS > 2 && row >= B2) + (NS > 3 && row >= B3);
+            local = row - (seg == 0 ? 0 : seg == 1 ? B1 : seg == 2 ? B2 : B3);
+        } else {
+            matvec_locate(p, row, seg, local);
+        }
+    }
     __device__ void row(int t, int r, const u8*& data, const u8*& prm) const {
         int seg, local;
-        matvec_locate(p, min(16 * t + r, p.total_rows - 1), seg, local); // past the end: the last row again
+        locate(min(16 * t + r, p.total_rows - 1), seg, local); // past the end: the last row again
         const MatrixRef& m = p.seg[seg].m;
         data = (const u8*)m.data + wide_mul(local, (u32)m.row_bytes);
         prm = (const u8*)m.params + wide_mul(local, 4 * m.groups_per_row);
@@ -475,12 +489,12 @@ struct MatvecMapT {
     // (always when the segments' rows are multiples of 16, as in every real model).
     __device__ void tile_rows(int t, int g, const u8* (&data)[2], const u8* (&prm)[2]) const {
         int seg, local;
-        matvec_locate(p, min(16 * t + g, p.total_rows - 1), seg, local);
+        locate(min(16 * t + g, p.total_rows - 1), seg, local);
         const MatrixRef& m = p.seg[seg].m;
         const u32 row_bytes = (u32)m.row_bytes, prm_bytes = 4 * m.groups_per_row;
         data[0] = (const u8*)m.data + wide_mul(local, row_bytes);
         prm[0] = (const u8*)m.params + wide_mul(local, prm_bytes);
-        if (local + 8 < p.seg[seg].rows && 16 * t + g + 8 < p.total_rows) {
+        if (NS > 0 || (local + 8 < p.seg[seg].rows && 16 * t + g + 8 < p.total_rows)) { // NS: whole tiles
             data[1] = data[0] + 8 * row_bytes;
             prm[1] = prm[0] + 8 * prm_bytes;
         } else {
@@ -492,7 +506,7 @@ struct MatvecMapT {
     __device__ float old_value(int t, int tid) const {
         if (!p.accumulate || tid >= 16 || 16 * t + tid >= p.total_rows) return 0.0f;
         int seg, local;
-        matvec_locate(p, 16 * t + tid, seg, local);
+        locate(16 * t + tid, seg, local);
         return ldcg_f32((const float*)p.seg[seg].out + local);
     }
     // Threads tid < 16 of tile t: the row's sum into y; returns the value written.
@@ -502,7 +516,7 @@ struct MatvecMapT {
 #pragma unroll
         for (int w = 0; w < MTC_WARPS; ++w) v += red[w][tid];
         int seg, local;
-        matvec_locate(p, 16 * t + tid, seg, local);
+        locate(16 * t + tid, seg, local);
         float* y = (float*)p.seg[seg].out;
         const float out = p.accumulate ? (has_old ? old : ldcg_f32(y + local)) + v : v;
         y[local] = out;
@@ -998,6 +1012,17 @@ extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_headnorm_
 }
 extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_route_q4_c4_e256_q8(const TcMatvecParams p) {
     tc_body<4, MTC_NB_C4>(MatvecMapT<false, true, 256, 8>{p.m, p});
+}
+// The in-projections for Qwen3.5/3.6 (K 2048): the DeltaNet's q|k|v (8192 rows), z (4096), b and a
+// (32 each), and attention's q+gate (8192), k and v (512 each), their segments compiled in;
+// matvec::fixed_rows_kernel picks them where the segments match.
+extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c2_s8192_4096_32_32(const MatvecParams p) {
+    const TcMatvecParams none{};
+    tc_body<2, MTC_NB_C2>(MatvecMapT<false, false, 0, 0, 0, 0, 4, 8192, 4096, 32>{p, none});
+}
+extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c2_s8192_512_512(const MatvecParams p) {
+    const TcMatvecParams none{};
+    tc_body<2, MTC_NB_C2>(MatvecMapT<false, false, 0, 0, 0, 0, 3, 8192, 512>{p, none});
 }
 // Gate/up for Qwen3.5/3.6's MoE (D 2048, 256 experts, top-8, expert and shared intermediate 512: the
 // 35B-A3B), its dims compiled in; moe::gate_up_kernel picks it where they match.

@@ -229,6 +229,25 @@ pub fn matvec_routed(
     tensor_core_launch(gpu, &name, k, tp.m.total_rows as usize, &tp)
 }
 
+/// The tensor-core kernel for a product of K = 1024·`chunks` over stacked segments of `rows` rows: a
+/// copy with the segments compiled in for Qwen3.5/3.6's in-projections where they match (K 2048; the
+/// DeltaNet's q|k|v, z, b, a and attention's q+gate, k, v: kernels/matvec_tc.cu `matvec_tc_q4_c2_s*`),
+/// else the one that searches its parameters for a row's segment (always with the lab switch
+/// `CALLA_LAB_INPROJ_GENERIC`).
+pub fn fixed_rows_kernel(chunks: usize, rows: &[usize]) -> String {
+    let layout = match (chunks, rows) {
+        (2, [8192, 4096, 32, 32]) => Some("_s8192_4096_32_32"),
+        (2, [8192, 512, 512]) => Some("_s8192_512_512"),
+        _ => None,
+    };
+    match layout {
+        Some(l) if crate::kernels::compiled_copy_allowed("CALLA_LAB_INPROJ_GENERIC") => {
+            format!("matvec_tc_q4_c{chunks}{l}")
+        }
+        _ => format!("matvec_tc_q4_c{chunks}"),
+    }
+}
+
 /// The out-projection kernel with the fused routing `route` over K `k` inputs, with the DeltaNet head
 /// norm `norm` or without: a copy compiled for Qwen3.5/3.6 where it applies (K 4096, a q8 router over
 /// 256 experts, heads of 128 with 8 parts: kernels/matvec_tc.cu `*_e256_q8*`), else the one that
@@ -352,7 +371,8 @@ fn matvec_one(
     let p = params(x, k, norm, segments, accumulate)?;
     if engine == DotEngine::TensorCores {
         if let Some(chunks) = tensor_core_chunks(k, segments) {
-            let name = format!("matvec_tc_q4_c{chunks}");
+            let rows: Vec<usize> = segments.iter().map(|(m, _)| m.rows).collect();
+            let name = fixed_rows_kernel(chunks, &rows);
             return tensor_core_launch(gpu, &name, k, p.total_rows as usize, &p);
         }
     }

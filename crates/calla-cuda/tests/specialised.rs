@@ -52,6 +52,18 @@ const DN_NORM: HeadNorm = HeadNorm {
     eps: 1e-6,
 };
 
+/// The DeltaNet in-projection's segments as forward.rs stacks them: q|k|v (the conv channels), z, b, a.
+fn deltanet_in_rows(spec: &calla_model::ModelSpec) -> Vec<usize> {
+    let hv = spec.linear_num_value_heads;
+    vec![spec.linear_conv_dim(), spec.linear_value_dim(), hv, hv]
+}
+
+/// Attention's in-projection segments: q with its gate, k, v.
+fn attention_in_rows(spec: &calla_model::ModelSpec) -> Vec<usize> {
+    let kv = spec.num_key_value_heads * spec.head_dim;
+    vec![2 * spec.num_attention_heads * spec.head_dim, kv, kv]
+}
+
 #[test]
 fn the_real_model_gets_the_compiled_copies_and_they_exist() {
     let spec = preset("qwen3.6-35b-a3b").expect("the real model's preset");
@@ -71,6 +83,14 @@ fn the_real_model_gets_the_compiled_copies_and_they_exist() {
             matvec::routed_kernel(4096, &tail(256, 8), Some(&DN_NORM)),
         ),
         (&MATVEC_TC, matvec::routed_kernel(4096, &tail(256, 8), None)),
+        (
+            &MATVEC_TC,
+            matvec::fixed_rows_kernel(2, &deltanet_in_rows(&spec)),
+        ),
+        (
+            &MATVEC_TC,
+            matvec::fixed_rows_kernel(2, &attention_in_rows(&spec)),
+        ),
     ];
     let expected = [
         "attn_decode_bf16_bar_dh256_g8",
@@ -79,6 +99,8 @@ fn the_real_model_gets_the_compiled_copies_and_they_exist() {
         "matvec_tc_down_q4_a8_i512_d2048",
         "matvec_tc_headnorm_route_q4_c4_e256_q8_hd128",
         "matvec_tc_route_q4_c4_e256_q8",
+        "matvec_tc_q4_c2_s8192_4096_32_32",
+        "matvec_tc_q4_c2_s8192_512_512",
     ];
     for ((src, name), want) in picks.iter().zip(expected) {
         assert_eq!(name, want, "the launcher's pick for the real model");
@@ -135,4 +157,22 @@ fn other_dims_get_the_general_kernels() {
         matvec::routed_kernel(2048, &tail(256, 8), None),
         "matvec_tc_route_q4_c2"
     );
+    assert_eq!(
+        matvec::fixed_rows_kernel(2, &deltanet_in_rows(&tiny)),
+        "matvec_tc_q4_c2"
+    );
+    // the same rows at another K, or one segment's rows off, or lm_head's single segment
+    assert_eq!(
+        matvec::fixed_rows_kernel(4, &[8192, 4096, 32, 32]),
+        "matvec_tc_q4_c4"
+    );
+    assert_eq!(
+        matvec::fixed_rows_kernel(2, &[8192, 4096, 48, 32]),
+        "matvec_tc_q4_c2"
+    );
+    assert_eq!(
+        matvec::fixed_rows_kernel(2, &[8192, 512, 256]),
+        "matvec_tc_q4_c2"
+    );
+    assert_eq!(matvec::fixed_rows_kernel(2, &[248_320]), "matvec_tc_q4_c2");
 }

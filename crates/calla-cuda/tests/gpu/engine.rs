@@ -289,7 +289,7 @@ fn engine_layer_kernel_matches_chain() {
 }
 
 /// The decode kernels compiled for Qwen3.5/3.6's dims (attention, DeltaNet, gate/up, down, the
-/// out-projections: docs/performance.md, session 18) against the general kernels they were made
+/// out- and in-projections: docs/performance.md, sessions 18–19) against the general kernels they were made
 /// from, on the same random real-dims model: the `CALLA_LAB_*_GENERIC` switches make the launchers
 /// pick the general kernels while the second backend is built and run. Same operations in the same
 /// order, so every token and every log-probability must be equal to the bit. The switches are
@@ -298,12 +298,13 @@ fn engine_layer_kernel_matches_chain() {
 #[test]
 #[ignore = "needs CUDA"]
 fn compiled_copies_match_the_general_kernels() {
-    const SWITCHES: [&str; 5] = [
+    const SWITCHES: [&str; 6] = [
         "CALLA_LAB_ATTN_GENERIC",
         "CALLA_LAB_DN_GENERIC",
         "CALLA_LAB_GATE_UP_GENERIC",
         "CALLA_LAB_DOWN_GENERIC",
         "CALLA_LAB_OUT_GENERIC",
+        "CALLA_LAB_INPROJ_GENERIC",
     ];
     let model = RealDimsX4::new(95);
     let steps = REAL_X4_STEPS;
