@@ -1006,7 +1006,8 @@ MTC_KERNELS(2, MTC_NB_C2)
 MTC_KERNELS(4, MTC_NB_C4)
 // The out-projections for Qwen3.5/3.6 (K 4096; a q8 router over 256 experts; the DeltaNet's head norm
 // over heads of 128 with 8 parts each: the 35B-A3B), their dims compiled in; matvec::routed_kernel
-// picks them where they match.
+// picks them where they match. (Their one segment compiled in as well, NS = 1, as for lm_head: the
+// out-projections 204 → 213 µs per step, the step +5 µs; not kept, session 19.)
 extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_headnorm_route_q4_c4_e256_q8_hd128(const TcMatvecParams p) {
     tc_body<4, MTC_NB_C4>(MatvecMapT<true, true, 256, 8, 128, 8>{p.m, p});
 }
@@ -1014,8 +1015,8 @@ extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_route_q4_
     tc_body<4, MTC_NB_C4>(MatvecMapT<false, true, 256, 8>{p.m, p});
 }
 // The in-projections for Qwen3.5/3.6 (K 2048): the DeltaNet's q|k|v (8192 rows), z (4096), b and a
-// (32 each), and attention's q+gate (8192), k and v (512 each), their segments compiled in;
-// matvec::fixed_rows_kernel picks them where the segments match.
+// (32 each), and attention's q+gate (8192), k and v (512 each), their segments compiled in; and any
+// one segment of whole tiles (lm_head); matvec::fixed_rows_kernel picks them where the segments match.
 extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c2_s8192_4096_32_32(const MatvecParams p) {
     const TcMatvecParams none{};
     tc_body<2, MTC_NB_C2>(MatvecMapT<false, false, 0, 0, 0, 0, 4, 8192, 4096, 32>{p, none});
@@ -1023,6 +1024,11 @@ extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c2_s81
 extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c2_s8192_512_512(const MatvecParams p) {
     const TcMatvecParams none{};
     tc_body<2, MTC_NB_C2>(MatvecMapT<false, false, 0, 0, 0, 0, 3, 8192, 512>{p, none});
+}
+// (lm_head, ~59 tiles per block, with 3 or 4 tiles in flight per warp: 75 → 77.3 and 75.3 µs; session 19.)
+extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c2_s1(const MatvecParams p) {
+    const TcMatvecParams none{};
+    tc_body<2, MTC_NB_C2>(MatvecMapT<false, false, 0, 0, 0, 0, 1>{p, none});
 }
 // Gate/up for Qwen3.5/3.6's MoE (D 2048, 256 experts, top-8, expert and shared intermediate 512: the
 // 35B-A3B), its dims compiled in; moe::gate_up_kernel picks it where they match.

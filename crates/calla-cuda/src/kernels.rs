@@ -98,7 +98,7 @@ pub const ON_DEMAND: &[&KernelSource] = &[&DECODE_LAYER, &LAB_STREAM];
 
 /// Whether a launcher may pick a kernel compiled for Qwen3.5/3.6's dims (docs/performance.md,
 /// sessions 18–19) over the general one it was made from: yes unless the lab switch `switch`
-/// (`CALLA_LAB_ATTN_GENERIC`, `_DN_`, `_GATE_UP_`, `_DOWN_`, `_OUT_`, `_INPROJ_GENERIC`) is set, which A/B runs
+/// (`CALLA_LAB_ATTN_GENERIC`, `_DN_`, `_GATE_UP_`, `_DOWN_`, `_OUT_`, `_SEGMENTS_GENERIC`) is set, which A/B runs
 /// and the GPU test of the copies against the general kernels use.
 pub fn compiled_copy_allowed(switch: &str) -> bool {
     std::env::var_os(switch).is_none()

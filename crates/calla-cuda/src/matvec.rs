@@ -230,18 +230,19 @@ pub fn matvec_routed(
 }
 
 /// The tensor-core kernel for a product of K = 1024·`chunks` over stacked segments of `rows` rows: a
-/// copy with the segments compiled in for Qwen3.5/3.6's in-projections where they match (K 2048; the
-/// DeltaNet's q|k|v, z, b, a and attention's q+gate, k, v: kernels/matvec_tc.cu `matvec_tc_q4_c2_s*`),
-/// else the one that searches its parameters for a row's segment (always with the lab switch
-/// `CALLA_LAB_INPROJ_GENERIC`).
+/// copy with the segments compiled in where they match, K 2048: Qwen3.5/3.6's in-projections (the
+/// DeltaNet's q|k|v, z, b, a and attention's q+gate, k, v) and any one segment of whole tiles of 16
+/// rows (lm_head) — kernels/matvec_tc.cu `matvec_tc_q4_c2_s*` — else the one that searches its
+/// parameters for a row's segment (always with the lab switch `CALLA_LAB_SEGMENTS_GENERIC`).
 pub fn fixed_rows_kernel(chunks: usize, rows: &[usize]) -> String {
     let layout = match (chunks, rows) {
         (2, [8192, 4096, 32, 32]) => Some("_s8192_4096_32_32"),
         (2, [8192, 512, 512]) => Some("_s8192_512_512"),
+        (2, [r]) if r % 16 == 0 => Some("_s1"),
         _ => None,
     };
     match layout {
-        Some(l) if crate::kernels::compiled_copy_allowed("CALLA_LAB_INPROJ_GENERIC") => {
+        Some(l) if crate::kernels::compiled_copy_allowed("CALLA_LAB_SEGMENTS_GENERIC") => {
             format!("matvec_tc_q4_c{chunks}{l}")
         }
         _ => format!("matvec_tc_q4_c{chunks}"),

@@ -91,6 +91,7 @@ fn the_real_model_gets_the_compiled_copies_and_they_exist() {
             &MATVEC_TC,
             matvec::fixed_rows_kernel(2, &attention_in_rows(&spec)),
         ),
+        (&MATVEC_TC, matvec::fixed_rows_kernel(2, &[spec.vocab_size])),
     ];
     let expected = [
         "attn_decode_bf16_bar_dh256_g8",
@@ -101,6 +102,7 @@ fn the_real_model_gets_the_compiled_copies_and_they_exist() {
         "matvec_tc_route_q4_c4_e256_q8",
         "matvec_tc_q4_c2_s8192_4096_32_32",
         "matvec_tc_q4_c2_s8192_512_512",
+        "matvec_tc_q4_c2_s1",
     ];
     for ((src, name), want) in picks.iter().zip(expected) {
         assert_eq!(name, want, "the launcher's pick for the real model");
@@ -174,5 +176,7 @@ fn other_dims_get_the_general_kernels() {
         matvec::fixed_rows_kernel(2, &[8192, 512, 256]),
         "matvec_tc_q4_c2"
     );
-    assert_eq!(matvec::fixed_rows_kernel(2, &[248_320]), "matvec_tc_q4_c2");
+    // one segment: whole tiles only
+    assert_eq!(matvec::fixed_rows_kernel(2, &[248_328]), "matvec_tc_q4_c2");
+    assert_eq!(matvec::fixed_rows_kernel(4, &[248_320]), "matvec_tc_q4_c4");
 }

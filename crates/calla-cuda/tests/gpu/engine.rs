@@ -304,7 +304,7 @@ fn compiled_copies_match_the_general_kernels() {
         "CALLA_LAB_GATE_UP_GENERIC",
         "CALLA_LAB_DOWN_GENERIC",
         "CALLA_LAB_OUT_GENERIC",
-        "CALLA_LAB_INPROJ_GENERIC",
+        "CALLA_LAB_SEGMENTS_GENERIC",
     ];
     let model = RealDimsX4::new(95);
     let steps = REAL_X4_STEPS;
