@@ -767,6 +767,26 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     }
 #endif
     griddep_enter(); // programmatic dependent launch (CALLA_PDL=1); no-ops otherwise
+#if !defined(MTC_LAB_NO_REFILL_PREFETCH)
+    // The fixed-row products with a refill tile and few tiles per block (the in-projections: at the
+    // real shape 244 of the DeltaNet's 264 blocks and 48 of attention's have a third tile; not
+    // lm_head's ~59) ask L2 for it at entry, one thread per 128-byte line (row tid / 16, line tid % 16:
+    // 4·CW lines of codes, then the row's parameters); its load, issued once the first tile is
+    // computed, then finds it there. Step at 4K −14 µs (docs/performance.md, session 19), where the
+    // same prefetch issued with the first tiles' loads had measured +0.4 µs per in-projection
+    // (session 8). Gate/up's shared-expert refill tiles (known before the routing) prefetched the same
+    // way: gate/up +3.5 µs, the step within noise; not kept.
+    if constexpr (Map::STATIC_ROWS && CW == 2) {
+        const int t3 = block + NB * nblocks;
+        if (t3 < tiles && tiles <= (NB + 1) * nblocks) {
+            const int r = tid >> 4, line = tid & 15;
+            const u8 *d, *q;
+            map.row(t3, r, d, q);
+            if (line < 4 * CW) prefetch_l2(d + 128 * line);
+            else if (line == 4 * CW) prefetch_l2(q);
+        }
+    }
+#endif
 
     // x and its norm gain first (from L2): the weight loads are issued only once they have arrived.
     constexpr int WPT = (CW + 1) / 2; // words of 8 columns per thread
