@@ -778,12 +778,21 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     // way: gate/up +3.5 µs, the step within noise; not kept.
     if constexpr (Map::STATIC_ROWS && CW == 2) {
         const int t3 = block + NB * nblocks;
+#if defined(MTC_LAB_REFILL_ALL) // lab: lm_head too (its first refill tile)
+        if (t3 < tiles) {
+#else
         if (t3 < tiles && tiles <= (NB + 1) * nblocks) {
+#endif
             const int r = tid >> 4, line = tid & 15;
             const u8 *d, *q;
             map.row(t3, r, d, q);
             if (line < 4 * CW) prefetch_l2(d + 128 * line);
             else if (line == 4 * CW) prefetch_l2(q);
+#if defined(MTC_LAB_PREFETCH_SECOND) // lab: the second tile as well (its loads go out once x is in)
+            map.row(block + nblocks, r, d, q);
+            if (line < 4 * CW) prefetch_l2(d + 128 * line);
+            else if (line == 4 * CW) prefetch_l2(q);
+#endif
         }
     }
 #endif
