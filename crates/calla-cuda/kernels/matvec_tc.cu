@@ -633,6 +633,11 @@ struct GateUpMapT {
         data = d[rr >> 3];
         prm = q[rr >> 3];
     }
+    // Whether tile t's rows are known before the selection (the shared expert's slot; lab).
+    __device__ bool tile_is_static(int t) const {
+        const int s = FI && FI == FIS ? t / per_slot() : div_small(t, per_slot());
+        return s + p.slot_offset >= A();
+    }
     __device__ float old_value(int, int) const { return 0.0f; } // act is written, not added to
     typedef NoTail Tail;
     __device__ Tail tail_load(int) const { return Tail{}; }
@@ -887,6 +892,20 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         map.prologue_staged(pre, mid);
         LAB_STAMP(1);
         issue_first();
+#if defined(MTC_LAB_PREFETCH_SHARED_LATE)
+        // Lab: gate/up's refill tile of the shared expert (the 54 blocks with three tiles) asked of L2
+        // with the first tiles' loads, after the routing (at entry it cost gate/up +3.5 µs).
+        if constexpr (CW <= 2) {
+            const int t3 = block + NB * nblocks;
+            if (t3 < tiles && map.tile_is_static(t3)) {
+                const int r = tid >> 4, line = tid & 15;
+                const u8 *d, *q;
+                map.row(t3, r, d, q);
+                if (line < 4 * CW) prefetch_l2(d + 128 * line);
+                else if (line == 4 * CW) prefetch_l2(q);
+            }
+        }
+#endif
     } else {
         const float ss = x_times_gain();
         // When the weight loads are issued. The K = 2048 products with fixed rows (in-projections,
