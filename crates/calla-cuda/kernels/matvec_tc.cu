@@ -899,10 +899,11 @@ __device__ __forceinline__ void tc_body(const Map& map) {
             const int t3 = block + NB * nblocks;
             if (t3 < tiles && map.tile_is_static(t3)) {
                 const int r = tid >> 4, line = tid & 15;
-                const u8 *d, *q;
-                map.row(t3, r, d, q);
-                if (line < 4 * CW) prefetch_l2(d + 128 * line);
-                else if (line == 4 * CW) prefetch_l2(q);
+                const u8 *d[2], *q[2];
+                map.tile_rows(t3, r & 7, d, q);
+                const bool up = r >= 8; // selects, not an index: d and q stay in registers
+                if (line < 4 * CW) prefetch_l2((up ? d[1] : d[0]) + 128 * line);
+                else if (line == 4 * CW) prefetch_l2(up ? q[1] : q[0]);
             }
         }
 #endif
