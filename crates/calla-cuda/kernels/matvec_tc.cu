@@ -633,11 +633,6 @@ struct GateUpMapT {
         data = d[rr >> 3];
         prm = q[rr >> 3];
     }
-    // Whether tile t's rows are known before the selection (the shared expert's slot; lab).
-    __device__ bool tile_is_static(int t) const {
-        const int s = FI && FI == FIS ? t / per_slot() : div_small(t, per_slot());
-        return s + p.slot_offset >= A();
-    }
     __device__ float old_value(int, int) const { return 0.0f; } // act is written, not added to
     typedef NoTail Tail;
     __device__ Tail tail_load(int) const { return Tail{}; }
@@ -777,27 +772,20 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     // real shape 244 of the DeltaNet's 264 blocks and 48 of attention's have a third tile; not
     // lm_head's ~59) ask L2 for it at entry, one thread per 128-byte line (row tid / 16, line tid % 16:
     // 4·CW lines of codes, then the row's parameters); its load, issued once the first tile is
-    // computed, then finds it there. Step at 4K −14 µs (docs/performance.md, session 19), where the
-    // same prefetch issued with the first tiles' loads had measured +0.4 µs per in-projection
-    // (session 8). Gate/up's shared-expert refill tiles (known before the routing) prefetched the same
-    // way: gate/up +3.5 µs, the step within noise; not kept.
+    // computed, then finds it there. Step at 4K −7…−14 µs (docs/performance.md, session 19), where
+    // the same prefetch issued with the first tiles' loads had measured +0.4 µs per in-projection
+    // (session 8). Measured and not kept (session 19): gate/up's shared-expert refill tiles (known
+    // before the routing) prefetched at entry (gate/up +3.5 µs, the step within noise) or after the
+    // routing (+1.7 µs; lab code in 9d30573); lm_head's refill tile too (−0.3 µs) and the second
+    // tile too (+15.6 µs; lab code in b0c5a84).
     if constexpr (Map::STATIC_ROWS && CW == 2) {
         const int t3 = block + NB * nblocks;
-#if defined(MTC_LAB_REFILL_ALL) // lab: lm_head too (its first refill tile)
-        if (t3 < tiles) {
-#else
         if (t3 < tiles && tiles <= (NB + 1) * nblocks) {
-#endif
             const int r = tid >> 4, line = tid & 15;
             const u8 *d, *q;
             map.row(t3, r, d, q);
             if (line < 4 * CW) prefetch_l2(d + 128 * line);
             else if (line == 4 * CW) prefetch_l2(q);
-#if defined(MTC_LAB_PREFETCH_SECOND) // lab: the second tile as well (its loads go out once x is in)
-            map.row(block + nblocks, r, d, q);
-            if (line < 4 * CW) prefetch_l2(d + 128 * line);
-            else if (line == 4 * CW) prefetch_l2(q);
-#endif
         }
     }
 #endif
@@ -892,21 +880,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         map.prologue_staged(pre, mid);
         LAB_STAMP(1);
         issue_first();
-#if defined(MTC_LAB_PREFETCH_SHARED_LATE)
-        // Lab: gate/up's refill tile of the shared expert (the 54 blocks with three tiles) asked of L2
-        // with the first tiles' loads, after the routing (at entry it cost gate/up +3.5 µs).
-        if constexpr (CW <= 2) {
-            const int t3 = block + NB * nblocks;
-            if (t3 < tiles && map.tile_is_static(t3)) {
-                const int r = tid >> 4, line = tid & 15;
-                const u8 *d[2], *q[2];
-                map.tile_rows(t3, r & 7, d, q);
-                const bool up = r >= 8; // selects, not an index: d and q stay in registers
-                if (line < 4 * CW) prefetch_l2((up ? d[1] : d[0]) + 128 * line);
-                else if (line == 4 * CW) prefetch_l2(up ? q[1] : q[0]);
-            }
-        }
-#endif
     } else {
         const float ss = x_times_gain();
         // When the weight loads are issued. The K = 2048 products with fixed rows (in-projections,
