@@ -550,6 +550,7 @@ struct __align__(16) GateUpSelect { // shared memory of the selection (sl read a
 struct TcGateUpParams {
     GateUpParams g;
     RouteParams r; // r.logits 0: the slots' experts are in g.topk_ids already
+    MatrixRef down_e, down_s; // the down launch's routed and shared matrices (lab MTC_LAB_DOWN_PREFETCH), or zero
 };
 // FE, FA, FI, FIS: the router's experts, the routed slots (top-k), the expert and shared-expert
 // intermediate sizes as compile-time constants (a specialised kernel: the selection's loops get fixed
@@ -560,6 +561,8 @@ struct GateUpMapT {
     int* expert; // shared [MOE_MAX_A + 1]: the slots' experts
     const RouteParams& r;
     GateUpSelect* sel;
+    const MatrixRef& down_e; // lab MTC_LAB_DOWN_PREFETCH: the down launch's matrices
+    const MatrixRef& down_s;
     __device__ int A() const { return FA ? FA : p.A; }
     __device__ int I() const { return FI ? FI : p.I; }
     __device__ int Is() const { return FIS ? FIS : p.Is; }
@@ -633,6 +636,27 @@ struct GateUpMapT {
         data = d[rr >> 3];
         prm = q[rr >> 3];
     }
+#if defined(MTC_LAB_DOWN_PREFETCH)
+    // Lab: the down launch's weights for this step's experts (and the shared expert's), asked of L2
+    // by every block for its share of the lines, once the selection is known (every slot in this
+    // launch, I == Is: one line count per slot).
+    __device__ void prefetch_down() const {
+        if (!down_e.data || !r.logits || p.slot_offset != 0 || I() != Is() || slots() != A() + (down_s.data ? 1 : 0)) return;
+        const i64 D = p.D;
+        const u32 code_lines = (u32)((D * down_e.row_bytes) >> 7), prm_lines = (u32)((D * down_e.groups_per_row * 4) >> 7);
+        const u32 per_slot = code_lines + prm_lines, total = per_slot * (u32)slots();
+        const u32 nb = gridDim.x * gridDim.y, b = blockIdx.x + blockIdx.y * gridDim.x, share = (total + nb - 1) / nb;
+        const u32 end = min(total, (b + 1) * share);
+        for (u32 l = b * share + threadIdx.x; l < end; l += blockDim.x) {
+            const u32 s = l / per_slot, k = l - s * per_slot;
+            const bool routed = (int)s < A();
+            const MatrixRef& m = routed ? down_e : down_s;
+            const i64 row0 = routed ? (i64)sel->id[s] * D : 0;
+            if (k < code_lines) prefetch_l2((const u8*)m.data + row0 * m.row_bytes + 128 * (i64)k);
+            else prefetch_l2((const u8*)m.params + row0 * m.groups_per_row * 4 + 128 * (i64)(k - code_lines));
+        }
+    }
+#endif
     __device__ float old_value(int, int) const { return 0.0f; } // act is written, not added to
     typedef NoTail Tail;
     __device__ Tail tail_load(int) const { return Tail{}; }
@@ -988,8 +1012,14 @@ __device__ __forceinline__ void tc_body(const Map& map) {
             compute(t, codes[s], par[s], j0 + s);
             const int tn = t + NB * nblocks;
             if (tn < tiles) issue(tn, codes[s], par[s]);
+#if defined(MTC_LAB_DOWN_PREFETCH) && MTC_LAB_DOWN_PREFETCH == 1 // lab: after the first tile
+            if constexpr (!Map::STATIC_ROWS) if (j0 + s == 0) map.prefetch_down();
+#endif
         }
     }
+#if defined(MTC_LAB_DOWN_PREFETCH) && MTC_LAB_DOWN_PREFETCH == 2 // lab: at the block's end
+    if constexpr (!Map::STATIC_ROWS) map.prefetch_down();
+#endif
     LAB_STAMP(6);
 }
 
@@ -1021,7 +1051,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c##CW(const TcGateUpParams p) { \
         __shared__ int expert[MOE_MAX_A + 1]; \
         __shared__ GateUpSelect sel; \
-        tc_body<CW, NB>(GateUpMapT<>{p.g, expert, p.r, &sel}); \
+        tc_body<CW, NB>(GateUpMapT<>{p.g, expert, p.r, &sel, p.down_e, p.down_s}); \
     }
 MTC_KERNELS(1, MTC_NB_C1)
 MTC_KERNELS(2, MTC_NB_C2)
@@ -1059,7 +1089,7 @@ extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c2_s1(
 extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_gate_up_q4_c2_e256_a8_i512(const TcGateUpParams p) {
     __shared__ int expert[MOE_MAX_A + 1];
     __shared__ GateUpSelect sel;
-    tc_body<2, MTC_NB_C2>(GateUpMapT<256, 8, 512, 512>{p.g, expert, p.r, &sel});
+    tc_body<2, MTC_NB_C2>(GateUpMapT<256, 8, 512, 512>{p.g, expert, p.r, &sel, p.down_e, p.down_s});
 }
 
 
@@ -1218,6 +1248,6 @@ LAB_STAMPS_COPY(matvec_tc_lab_stamps)
 
 static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");
 static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
-static_assert(sizeof(TcGateUpParams) == 192, "TcGateUpParams layout differs from its Rust twin");
+static_assert(sizeof(TcGateUpParams) == 256, "TcGateUpParams layout differs from its Rust twin");
 static_assert(sizeof(TcMatvecParams) == 328, "TcMatvecParams layout differs from its Rust twin");
 static_assert(sizeof(DownParams) == 152, "DownParams layout differs from its Rust twin");

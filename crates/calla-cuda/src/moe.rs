@@ -108,6 +108,10 @@ pub struct RouteTail {
 pub struct TcGateUpParams {
     pub g: GateUpParams,
     pub route: RouteParams,
+    /// the down launch's routed and shared matrices (lab `MTC_LAB_DOWN_PREFETCH`: asked of L2 once
+    /// the experts are selected), or zero
+    pub down_experts: MatrixRef,
+    pub down_shared: MatrixRef,
 }
 
 #[repr(C)]
@@ -180,6 +184,7 @@ fn gate_up_launch(
     slots: (usize, usize),
     engine: DotEngine,
     route: Option<RouteParams>,
+    down: (MatrixRef, MatrixRef),
 ) -> Result<Launch> {
     let fmt = routed.map(|r| r.0).or(shared).expect("a slot").format;
     let d = routed
@@ -222,6 +227,8 @@ fn gate_up_launch(
         let tp = TcGateUpParams {
             g: p,
             route: route.unwrap_or_default(),
+            down_experts: down.0,
+            down_shared: down.1,
         };
         return Launch::new(
             gpu,
@@ -586,6 +593,10 @@ fn moe_on(
                 (0, a + 1),
                 engine,
                 route,
+                (
+                    w.down.kref(),
+                    w.shared.map(|s| s.1.kref()).unwrap_or_default(),
+                ),
             )?);
         }
         (Some((sgu, _)), _) => {
@@ -599,6 +610,7 @@ fn moe_on(
                 (0, a),
                 engine,
                 route,
+                Default::default(),
             )?);
             launches.push(gate_up_launch(
                 gpu,
@@ -610,6 +622,7 @@ fn moe_on(
                 (a, a + 1),
                 engine,
                 None,
+                Default::default(),
             )?);
         }
         (None, _) => launches.push(gate_up_launch(
@@ -622,6 +635,7 @@ fn moe_on(
             (0, a),
             engine,
             route,
+            Default::default(),
         )?),
     }
     // the last down launch clears the fused routing's accumulators
@@ -693,6 +707,7 @@ pub fn dense_mlp(
             (0, 1),
             DotEngine::default_for_run(),
             None,
+            Default::default(),
         )?,
         down_launch(
             gpu,

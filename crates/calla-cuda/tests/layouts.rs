@@ -20,7 +20,7 @@ fn parameter_structs_match_the_kernels() {
         ("RouterParams", size_of::<moe::RouterParams>(), 128),
         ("GateUpParams", size_of::<moe::GateUpParams>(), 128),
         ("RouteParams", size_of::<moe::RouteParams>(), 64),
-        ("TcGateUpParams", size_of::<moe::TcGateUpParams>(), 192),
+        ("TcGateUpParams", size_of::<moe::TcGateUpParams>(), 256),
         ("DownParams", size_of::<moe::DownParams>(), 152),
         (
             "MoePersistentParams",
