@@ -550,7 +550,7 @@ struct __align__(16) GateUpSelect { // shared memory of the selection (sl read a
 struct TcGateUpParams {
     GateUpParams g;
     RouteParams r; // r.logits 0: the slots' experts are in g.topk_ids already
-    MatrixRef down_e, down_s; // the down launch's routed and shared matrices (lab MTC_LAB_DOWN_PREFETCH), or zero
+    MatrixRef down_e, down_s; // the down launch's routed and shared matrices (prefetched into L2), or zero
 };
 // FE, FA, FI, FIS: the router's experts, the routed slots (top-k), the expert and shared-expert
 // intermediate sizes as compile-time constants (a specialised kernel: the selection's loops get fixed
@@ -561,7 +561,7 @@ struct GateUpMapT {
     int* expert; // shared [MOE_MAX_A + 1]: the slots' experts
     const RouteParams& r;
     GateUpSelect* sel;
-    const MatrixRef& down_e; // lab MTC_LAB_DOWN_PREFETCH: the down launch's matrices
+    const MatrixRef& down_e; // the down launch's matrices (prefetch_down), or zero
     const MatrixRef& down_s;
     __device__ int A() const { return FA ? FA : p.A; }
     __device__ int I() const { return FI ? FI : p.I; }
@@ -636,10 +636,11 @@ struct GateUpMapT {
         data = d[rr >> 3];
         prm = q[rr >> 3];
     }
-#if defined(MTC_LAB_DOWN_PREFETCH)
-    // Lab: the down launch's weights for this step's experts (and the shared expert's), asked of L2
-    // by every block for its share of the lines, once the selection is known (every slot in this
-    // launch, I == Is: one line count per slot).
+    // The down launch's weights for this step's experts (and the shared expert's), asked of L2 by
+    // every block for its share of the lines (~160 at the real shape: 5.2 MB per layer), after the
+    // block's first tile (every slot in this launch, I == Is: one line count per slot). Step at 4K
+    // −9 µs (docs/performance.md, session 19), though MoE down itself is no faster one launch at a
+    // time; at the blocks' end instead: the same step. Lab: MTC_LAB_NO_DOWN_PREFETCH.
     __device__ void prefetch_down() const {
         if (!down_e.data || !r.logits || p.slot_offset != 0 || I() != Is() || slots() != A() + (down_s.data ? 1 : 0)) return;
         const i64 D = p.D;
@@ -656,7 +657,6 @@ struct GateUpMapT {
             else prefetch_l2((const u8*)m.params + row0 * m.groups_per_row * 4 + 128 * (i64)(k - code_lines));
         }
     }
-#endif
     __device__ float old_value(int, int) const { return 0.0f; } // act is written, not added to
     typedef NoTail Tail;
     __device__ Tail tail_load(int) const { return Tail{}; }
@@ -1012,14 +1012,12 @@ __device__ __forceinline__ void tc_body(const Map& map) {
             compute(t, codes[s], par[s], j0 + s);
             const int tn = t + NB * nblocks;
             if (tn < tiles) issue(tn, codes[s], par[s]);
-#if defined(MTC_LAB_DOWN_PREFETCH) && MTC_LAB_DOWN_PREFETCH == 1 // lab: after the first tile
-            if constexpr (!Map::STATIC_ROWS) if (j0 + s == 0) map.prefetch_down();
+#if !defined(MTC_LAB_NO_DOWN_PREFETCH)
+            if constexpr (!Map::STATIC_ROWS) // gate/up: MoE down's weights into L2 (GateUpMapT::prefetch_down)
+                if (j0 + s == 0) map.prefetch_down();
 #endif
         }
     }
-#if defined(MTC_LAB_DOWN_PREFETCH) && MTC_LAB_DOWN_PREFETCH == 2 // lab: at the block's end
-    if constexpr (!Map::STATIC_ROWS) map.prefetch_down();
-#endif
     LAB_STAMP(6);
 }
 

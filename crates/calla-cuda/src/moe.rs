@@ -108,8 +108,8 @@ pub struct RouteTail {
 pub struct TcGateUpParams {
     pub g: GateUpParams,
     pub route: RouteParams,
-    /// the down launch's routed and shared matrices (lab `MTC_LAB_DOWN_PREFETCH`: asked of L2 once
-    /// the experts are selected), or zero
+    /// the down launch's routed and shared matrices (asked of L2 once the experts are selected), or
+    /// zero
     pub down_experts: MatrixRef,
     pub down_shared: MatrixRef,
 }
