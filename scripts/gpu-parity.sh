@@ -36,7 +36,7 @@ run_tests() { # name, timeout, test filter args…
     [ $rc -eq 0 ] || { echo "[$name] exit $rc (log: $name.log)"; status=1; }
 }
 start=$(date +%s)
-run_tests kernels 180 --skip engine_
+run_tests kernels 300 --skip engine_
 echo "kernel checks: $(( $(date +%s) - start )) s"
 start=$(date +%s)
 run_tests engine-cpu 180 engine_matches_cpu

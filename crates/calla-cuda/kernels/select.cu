@@ -26,16 +26,8 @@
 // Bytes per call: V·4 (logits) + V·(4 + 1 + 4) with bias/penalty tables.
 
 #define SEL_THREADS 256
-#define SEL_MAX_LOGPROBS 20
 #define SEL_MAX_CAND 64
 #define SEL_PER_THREAD 16 // logits a thread loads at once (chunk ≤ 16·256: V ≤ 262,144 with 64 blocks)
-
-struct SelectConfig {
-    float temperature, top_p, min_p, rep_penalty, presence, frequency;
-    int top_k, n_logprobs;
-    u32 seed_lo, seed_hi, step_lo, step_hi;
-    int use_bias, use_seen, use_counts, pad;
-};
 
 struct SelectPartial {
     float raw_max, raw_sum, z_max, z_sum;
@@ -45,15 +37,6 @@ struct SelectPartial {
     float raw_vals[SEL_MAX_LOGPROBS];
     int cand_ids[SEL_MAX_CAND];
     float cand_vals[SEL_MAX_CAND];
-};
-
-struct SelectResult {
-    int token;
-    float logprob;
-    int n_top;
-    int sampled; // 1 when drawn, 0 when argmax
-    int top_ids[SEL_MAX_LOGPROBS];
-    float top_logprobs[SEL_MAX_LOGPROBS];
 };
 
 struct SelectParams {
@@ -89,8 +72,6 @@ __device__ __forceinline__ float philox_uniform(u32 seed_lo, u32 seed_hi, u32 st
     }
     return (float)(c0 >> 8) * (1.0f / 16777216.0f);
 }
-
-__device__ __forceinline__ float sanitise(float x) { return x != x ? NEG_INF : x; }
 
 // z for one id: penalties and bias (steps 1–3), then /T when sampling.
 // adjust() with id i's table entries given (read only where the configuration uses them).
@@ -781,38 +762,12 @@ __device__ __forceinline__ int sel_ties_before(const SelectParams& p, int sb) {
     return (int)grid_row_sum(p, SEL_GRID_ROW_TIES, sb);
 }
 
-// Thread 0, once the token is chosen: the SelectResult (res->n_top and the top lists already written)
-// and its host mirror at slot pos & 1, the draw step, the penalty tables' count of the token, the
-// cursor's advance, and the ticket reset for the next launch.
+// Thread 0, once the token is chosen: publish_token (common.cuh), then the ticket reset for the next
+// launch.
 __device__ __forceinline__ void publish_choice(const SelectParams& p, const SelectConfig& c, int token, float logprob,
                                                int sampled, int pos) {
-    SelectResult* res = (SelectResult*)p.result;
-    res->token = token;
-    res->logprob = logprob;
-    res->sampled = sampled;
-    SelectConfig* cfg = (SelectConfig*)p.config;
-    const u64 step = (((u64)c.step_hi) << 32 | c.step_lo) + 1;
-    cfg->step_lo = (u32)step;
-    cfg->step_hi = (u32)(step >> 32);
-    if (c.use_counts) ((u32*)p.counts)[token] += 1;
-    if (c.use_seen) ((u8*)p.seen)[token] = 1;
-    if (p.result_host) { // thread 0 wrote every field of res itself; pos: the cursor's, before the advance below
-        SelectResult* h = (SelectResult*)p.result_host + (pos & 1);
-        const int n_top = res->n_top;
-        for (int k = 0; k < n_top; ++k) {
-            h->top_ids[k] = res->top_ids[k];
-            h->top_logprobs[k] = res->top_logprobs[k];
-        }
-        h->n_top = n_top;
-        h->sampled = sampled;
-        h->logprob = logprob;
-        h->token = token;
-    }
-    if (p.advance) {
-        Cursor* cur = (Cursor*)p.cursor;
-        cur->token = token;
-        cur->pos += 1;
-    }
+    const TokenOut out = {p.config, p.result, p.result_host, p.cursor, p.counts, p.seen, p.advance};
+    publish_token(out, c, token, logprob, sampled, pos);
     *(u32*)p.counter = 0u;
     if (p.sub_log2 > 0) *sel_grid_list_count(p) = 0u; // every block has read the candidates' list
 }
@@ -827,26 +782,9 @@ __device__ __forceinline__ void publish_choice(const SelectParams& p, const Sele
 // partials field by field: 15.0 µs from the first warp's entry to the result at V = 248,320 (lab
 // stamps), 11.6 µs per launch in the no-graph profile, against 6.7 for this path (docs/performance.md,
 // session 19). The token is the general path's (the same total order); the log-probability's sum is
-// in another order (rounding).
-struct GreedyAcc {
-    float m, s; // max raw, Σ exp(raw − m)
-    float v;    // best value (NEG_INF with id INT_MAX: none)
-    int i;
-};
-__device__ __forceinline__ GreedyAcc greedy_merge(GreedyAcc a, GreedyAcc b) {
-    const float M = fmaxf(a.m, b.m);
-    if (M > NEG_INF) a.s = (a.m > NEG_INF ? a.s * expf(a.m - M) : 0.0f) + (b.m > NEG_INF ? b.s * expf(b.m - M) : 0.0f);
-    a.m = M;
-    if (b.v > a.v || (b.v == a.v && b.i < a.i)) { a.v = b.v; a.i = b.i; }
-    return a;
-}
-__device__ __forceinline__ GreedyAcc greedy_warp_merge(GreedyAcc a) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        a = greedy_merge(a, GreedyAcc{__shfl_xor_sync(0xffffffffu, a.m, o), __shfl_xor_sync(0xffffffffu, a.s, o),
-                                      __shfl_xor_sync(0xffffffffu, a.v, o), __shfl_xor_sync(0xffffffffu, a.i, o)});
-    return a;
-}
+// in another order (rounding). (GreedyAcc and its merges: common.cuh. Where lm_head runs on the
+// tensor cores, the decode graph for plain greedy has no selection launch at all: lm_head takes the
+// same path itself, matvec_tc.cu `matvec_tc_q4_c2_s1_greedy`.)
 // lv: this thread's first SEL_PER_THREAD logits of the block's chunk [lo, lo + n), requested by the
 // caller (k = threadIdx.x + j·blockDim.x; values past n unused).
 __device__ __forceinline__ void select_greedy(const SelectParams& p, const SelectConfig& c, float (&lv)[SEL_PER_THREAD],
@@ -1575,8 +1513,6 @@ extern "C" __global__ void __launch_bounds__(256) penalty_tables(const PenaltyPa
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 LAB_STAMPS_COPY(select_lab_stamps)
 
-static_assert(sizeof(SelectConfig) == 64, "SelectConfig layout differs from its Rust twin");
-static_assert(sizeof(SelectResult) == 176, "SelectResult layout differs from its Rust twin");
 static_assert(sizeof(SelectParams) == 104, "SelectParams layout differs from its Rust twin");
 static_assert(sizeof(PenaltyParams) == 48, "PenaltyParams layout differs from its Rust twin");
 static_assert(sizeof(SelectPartial) == 708, "SelectPartial layout differs from its Rust twin");

@@ -4,6 +4,8 @@
 //! weights, allocate scratch, build the step's launch chain and capture it as CUDA graphs:
 //!   `token`  = embed + all layers (prompt tokens),
 //!   `decode` = embed + all layers + lm_head + select (one generated token, cursor advanced on device),
+//!   `decode_greedy` = embed + all layers + lm_head with plain greedy fused in (where lm_head runs on
+//!            the tensor cores: matvec::head_greedy; replayed while the selection is plain greedy),
 //!   `logits` = final norm + lm_head (forward_logits).
 //! A step uploads the 16-byte cursor only when the device's copy is not already right (during
 //! decode it never is needed: the select kernel moved it), replays, and reads back the chosen token.
@@ -121,6 +123,7 @@ struct InFlight {
 struct Graphs {
     token: StepGraph,
     decode: StepGraph,
+    decode_greedy: Option<StepGraph>,
     logits: StepGraph,
 }
 
@@ -160,6 +163,9 @@ pub struct CudaBackend {
     body: Vec<Launch>,
     head: Vec<Launch>,
     select_advance: Launch,
+    /// lm_head with plain greedy selection fused in, where the formats allow (head + select_advance
+    /// in one launch for plain greedy)
+    head_greedy: Option<Launch>,
     graphs: Option<Graphs>,
     cursor_mirror: Option<Cursor>,
     /// each step's selection result, written by the selection kernel into slot pos & 1
@@ -236,6 +242,14 @@ impl CudaBackend {
             true,
             Some(readback.device_ptr()),
         )?;
+        let head_greedy = forward::head_greedy_launch(
+            &gpu,
+            spec,
+            &model,
+            &scratch,
+            &selector,
+            selector.token_out(scratch.cursor, true, Some(readback.device_ptr())),
+        )?;
         let report = CudaLoadReport {
             device: gpu.describe(),
             libraries: gpu.libraries.clone(),
@@ -266,6 +280,7 @@ impl CudaBackend {
             body,
             head,
             select_advance,
+            head_greedy,
             graphs: None,
             cursor_mirror: None,
             readback,
@@ -285,12 +300,15 @@ impl CudaBackend {
 
     fn capture(&mut self) -> Result<()> {
         let start = Instant::now();
-        let mut decode: Vec<Launch> = self.body.clone();
-        decode.extend(self.head.iter().cloned());
-        decode.push(self.select_advance.clone());
+        let decode = self.decode_launches(false);
+        let decode_greedy = match self.head_greedy {
+            Some(_) => Some(StepGraph::capture(&self.gpu, &self.decode_launches(true))?),
+            None => None,
+        };
         self.graphs = Some(Graphs {
             token: StepGraph::capture(&self.gpu, &self.body)?,
             decode: StepGraph::capture(&self.gpu, &decode)?,
+            decode_greedy,
             logits: StepGraph::capture(&self.gpu, &self.head)?,
         });
         tracing::info!(
@@ -299,6 +317,32 @@ impl CudaBackend {
             start.elapsed().as_secs_f64() * 1e3
         );
         Ok(())
+    }
+
+    /// One decode step's launches: the layers, then lm_head and the selection, or (`fused_greedy`,
+    /// where head_greedy exists) lm_head with plain greedy fused in.
+    fn decode_launches(&self, fused_greedy: bool) -> Vec<Launch> {
+        let mut out = self.body.clone();
+        match (&self.head_greedy, fused_greedy) {
+            (Some(l), true) => out.push(l.clone()),
+            _ => {
+                out.extend(self.head.iter().cloned());
+                out.push(self.select_advance.clone());
+            }
+        }
+        out
+    }
+
+    /// Whether plain greedy steps choose inside lm_head (one launch fewer per token), i.e. lm_head
+    /// takes matvec::head_greedy's kernel.
+    pub fn fuses_greedy_selection(&self) -> bool {
+        self.head_greedy.is_some()
+    }
+
+    /// Whether this step's selection runs inside lm_head: the device's configuration is plain
+    /// greedy and lm_head takes that path.
+    fn fused_greedy(&self) -> bool {
+        self.head_greedy.is_some() && self.selector.plain_greedy()
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -348,13 +392,16 @@ impl CudaBackend {
 
     /// One token through layers + head + selection; the device cursor advances.
     pub(crate) fn run_decode(&mut self) -> Result<()> {
+        let fused = self.fused_greedy();
         match &self.graphs {
-            Some(g) => g.decode.replay(&self.gpu)?,
+            Some(g) => match (&g.decode_greedy, fused) {
+                (Some(greedy), true) => greedy.replay(&self.gpu)?,
+                _ => g.decode.replay(&self.gpu)?,
+            },
             None => {
-                for l in self.body.iter().chain(self.head.iter()) {
+                for l in &self.decode_launches(fused) {
                     l.run(&self.gpu)?;
                 }
-                self.select_advance.run(&self.gpu)?;
             }
         }
         if let Some(c) = self.cursor_mirror.as_mut() {
@@ -452,13 +499,7 @@ impl CudaBackend {
         self.settle()?;
         let seq = cuda_sequence(seq)?;
         ensure!(!seq.ran_ahead, RAN_AHEAD);
-        let chain: Vec<Launch> = self
-            .body
-            .iter()
-            .chain(self.head.iter())
-            .cloned()
-            .chain(std::iter::once(self.select_advance.clone()))
-            .collect();
+        let chain = self.decode_launches(self.fused_greedy());
         let event = || {
             self.gpu
                 .ctx

@@ -11,7 +11,9 @@
 //!   With CudaOptions::fused_layers (CALLA_DECODE=layer; off by default: measured slower) and q4
 //!   weights, a layer is instead one persistent launch from the in-projection (DeltaNet) or the
 //!   out-projection (attention) on, with grid barriers between the phases: decode_layer.rs.
-//!   head: logits = lm_head·rmsnorm(h) → select (argmax / sampling, advances the cursor)
+//!   head: logits = lm_head·rmsnorm(h) → select (argmax / sampling, advances the cursor); for plain
+//!         greedy, where lm_head runs on the tensor cores, one launch that also selects
+//!         (matvec::head_greedy)
 //!
 //! Everything that changes between steps (token, position, the sequence's state address, sampling
 //! settings and draw counter) is read from device memory, so the chain is captured once as a graph.
@@ -509,5 +511,27 @@ pub fn head_launches(
         Some((model.final_gain, spec.rms_norm_eps)),
         &[(model.lm_head, s.logits)],
         false,
+    )
+}
+
+/// Final norm + lm_head into `s.logits` with plain greedy selection fused in, publishing into
+/// `token` (matvec::head_greedy), where the formats allow; else None.
+pub fn head_greedy_launch(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    model: &DevModel,
+    s: &Scratch,
+    selector: &crate::select::Selector,
+    token: crate::select::TokenOut,
+) -> Result<Option<Launch>> {
+    matvec::head_greedy(
+        gpu,
+        s.h,
+        spec.hidden_size,
+        Some((model.final_gain, spec.rms_norm_eps)),
+        &(model.lm_head, s.logits),
+        token,
+        selector.greedy_partials,
+        selector.greedy_counter,
     )
 }

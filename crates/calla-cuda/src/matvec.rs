@@ -249,6 +249,57 @@ pub fn fixed_rows_kernel(chunks: usize, rows: &[usize]) -> String {
     }
 }
 
+/// The parameters of lm_head with plain greedy selection fused in (matvec_tc.cu GreedyHeadParams).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GreedyHeadParams {
+    pub m: MatvecParams,
+    pub out: crate::select::TokenOut,
+    /// f32 max, f32 Σexp, f32 best value, i32 best id, each [select::GREEDY_HEAD_MAX_BLOCKS]
+    pub partials: u64,
+    /// u32 ticket, zero between launches
+    pub counter: u64,
+}
+
+/// lm_head (`out = W·rmsnorm(x)·gain`, one segment) that also chooses the next token by plain greedy
+/// and publishes it into `token` as the selection kernel would (kernels/matvec_tc.cu
+/// `matvec_tc_q4_c2_s1_greedy`), where that kernel takes the matrix: q4 on the tensor cores, K 2048,
+/// rows a multiple of 16, and the lab switch `CALLA_LAB_SELECT_SEPARATE` unset. Else None, and the
+/// decode step keeps the selection launch for plain greedy as for every other mode.
+pub fn head_greedy(
+    gpu: &Gpu,
+    x: DPtr,
+    k: usize,
+    norm: Option<(DPtr, f32)>,
+    head: &(DevMatrix, DPtr),
+    token: crate::select::TokenOut,
+    partials: DPtr,
+    counter: DPtr,
+) -> Result<Option<Launch>> {
+    let segments = [head];
+    if DotEngine::default_for_run() != DotEngine::TensorCores
+        || tensor_core_chunks(k, &segments) != Some(2)
+        || fixed_rows_kernel(2, &[head.0.rows]) != "matvec_tc_q4_c2_s1"
+        || !crate::kernels::compiled_copy_allowed("CALLA_LAB_SELECT_SEPARATE")
+    {
+        return Ok(None);
+    }
+    let p = GreedyHeadParams {
+        m: params(x, k, norm, &segments, false)?,
+        out: token,
+        partials: partials.0,
+        counter: counter.0,
+    };
+    let l = tensor_core_launch(gpu, "matvec_tc_q4_c2_s1_greedy", k, head.0.rows, &p)?;
+    ensure!(
+        l.grid.0 as usize <= crate::select::GREEDY_HEAD_MAX_BLOCKS,
+        "lm_head with greedy fused in: {} blocks, at most {}",
+        l.grid.0,
+        crate::select::GREEDY_HEAD_MAX_BLOCKS
+    );
+    Ok(Some(l))
+}
+
 /// The out-projection kernel with the fused routing `route` over K `k` inputs, with the DeltaNet head
 /// norm `norm` or without: a copy compiled for Qwen3.5/3.6 where it applies (K 4096, a q8 router over
 /// 256 experts, heads of 128 with 8 parts: kernels/matvec_tc.cu `*_e256_q8*`), else the one that

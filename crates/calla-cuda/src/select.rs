@@ -57,6 +57,25 @@ impl Default for SelectResult {
     }
 }
 
+/// common.cuh TokenOut: where a chosen token goes (the selection kernel's fields of the same names;
+/// lm_head with plain greedy fused in, matvec.rs `head_greedy`, takes it whole).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TokenOut {
+    pub config: u64,
+    pub result: u64,
+    /// [2] SelectResult in mapped page-locked host memory (slot pos & 1), or 0
+    pub result_host: u64,
+    pub cursor: u64,
+    pub counts: u64,
+    pub seen: u64,
+    pub advance: i32,
+    pub pad: i32,
+}
+
+/// matvec_tc.cu GREEDY_HEAD_MAX_BLOCKS: the fused greedy head's partials per field.
+pub const GREEDY_HEAD_MAX_BLOCKS: usize = 1024;
+
 /// select.cu SelectPartial: 8 words + 20 + 20 + 64 + 64.
 const PARTIAL_BYTES: usize = 4 * (9 + 2 * MAX_LOGPROBS + 2 * MAX_CANDIDATES);
 
@@ -154,6 +173,9 @@ pub struct Selector {
     pub bias: DPtr,
     pub seen: DPtr,
     pub counts: DPtr,
+    /// the fused greedy head's partials (4 × GREEDY_HEAD_MAX_BLOCKS words) and its ticket
+    pub greedy_partials: DPtr,
+    pub greedy_counter: DPtr,
     /// staging for penalty id lists
     ids: DPtr,
     ids_capacity: usize,
@@ -191,6 +213,8 @@ impl Selector {
             bias: arena.alloc_zeroed(vocab * 4)?,
             seen: arena.alloc_zeroed(vocab)?,
             counts: arena.alloc_zeroed(vocab * 4)?,
+            greedy_partials: arena.alloc_zeroed(4 * GREEDY_HEAD_MAX_BLOCKS * 4)?,
+            greedy_counter: arena.alloc_zeroed(4)?,
             ids: arena.alloc(max_ids * 4)?,
             ids_capacity: max_ids,
             blocks,
@@ -264,6 +288,33 @@ impl Selector {
             self.smem() as u32,
             &p,
         )
+    }
+
+    /// Where a selection launch (or lm_head with greedy fused in) puts the chosen token.
+    pub fn token_out(&self, cursor: DPtr, advance: bool, result_host: Option<DPtr>) -> TokenOut {
+        TokenOut {
+            config: self.config.0,
+            result: self.result.0,
+            result_host: result_host.map_or(0, |p| p.0),
+            cursor: cursor.0,
+            counts: self.counts.0,
+            seen: self.seen.0,
+            advance: advance as i32,
+            pad: 0,
+        }
+    }
+
+    /// Whether the device's configuration (the last one `prepare` uploaded) is plain greedy: T = 0
+    /// without logit bias, penalties or top logprobs, which lm_head with greedy fused in
+    /// (matvec_tc.cu `matvec_tc_q4_c2_s1_greedy`) chooses exactly as select.cu would.
+    pub fn plain_greedy(&self) -> bool {
+        self.config_mirror.is_some_and(|c| {
+            c.temperature <= 0.0
+                && c.n_logprobs <= 0
+                && c.use_bias == 0
+                && c.use_seen == 0
+                && c.use_counts == 0
+        })
     }
 
     /// Make the device configuration and tables match `sel` (uploads only what changed).

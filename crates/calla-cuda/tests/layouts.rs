@@ -10,6 +10,12 @@ fn parameter_structs_match_the_kernels() {
         ("MatrixRef", size_of::<weights::MatrixRef>(), 32),
         ("MatvecParams", size_of::<matvec::MatvecParams>(), 232),
         ("TcMatvecParams", size_of::<matvec::TcMatvecParams>(), 328),
+        (
+            "GreedyHeadParams",
+            size_of::<matvec::GreedyHeadParams>(),
+            304,
+        ),
+        ("TokenOut", size_of::<select::TokenOut>(), 56),
         ("EmbedParams", size_of::<matvec::EmbedParams>(), 64),
         ("DeltaNetParams", size_of::<deltanet::DeltaNetParams>(), 128),
         (

@@ -1,10 +1,13 @@
 //! The whole engine: CUDA vs the CPU engine on every committed fixture and at the real shapes, and
 //! CUDA vs transformers at the real shapes (model made by scripts/gpu-real-shape.py).
 
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use calla_cpu::CpuBackend;
 use calla_cuda::{CudaBackend, CudaOptions, KvDtype};
+use calla_engine::generate::{generate_on, GenerateRequest};
 use calla_engine::sampling::SamplingParams;
 use calla_engine::{Backend, Selection, TokenChoice};
 use calla_model::load::{load_model, LoadOptions, Quant};
@@ -252,6 +255,36 @@ impl RealDimsX4 {
         let mut be = CudaBackend::new(&self.spec, &self.w, &opts).unwrap();
         greedy(&mut be, &self.prompt, REAL_X4_STEPS)
     }
+
+    /// Greedy through the generation loop (two steps in flight) on a fresh backend, three requests
+    /// on new sequences: without top logprobs, with 5, without again. Returns whether the backend
+    /// chooses plain greedy inside lm_head, and the three requests' choices.
+    fn generate_greedy(&self) -> (bool, [Vec<TokenChoice>; 3]) {
+        let opts = CudaOptions {
+            max_context: Some(self.prompt.len() + REAL_X4_STEPS + 8),
+            kv_cache: KvDtype::Bf16,
+            ..Default::default()
+        };
+        let mut be = CudaBackend::new(&self.spec, &self.w, &opts).unwrap();
+        let mut run = |top_logprobs: usize| {
+            let req = GenerateRequest {
+                prompt: self.prompt.clone(),
+                max_tokens: REAL_X4_STEPS,
+                sampling: SamplingParams::greedy(),
+                stop_token_ids: vec![],
+                ignore_eos: true,
+                top_logprobs,
+            };
+            let mut seq = be.new_sequence().unwrap();
+            generate_on(&mut be, seq.as_mut(), &req, Instant::now(), |_| {
+                ControlFlow::Continue(())
+            })
+            .unwrap()
+            .choices
+        };
+        let runs = [run(0), run(5), run(0)];
+        (be.fuses_greedy_selection(), runs)
+    }
 }
 
 /// The persistent decode layer (decode_layer.cu, CALLA_DECODE=layer) against the chain of launches
@@ -285,6 +318,59 @@ fn engine_layer_kernel_matches_chain() {
     assert!(
         pass,
         "fused layer decode differs from the chain (Δlp {worst:.1e}, {same}/{steps})"
+    );
+}
+
+/// lm_head with plain greedy fused in (the decode graph for plain greedy: matvec::head_greedy) against
+/// lm_head then the selection launch (the lab switch `CALLA_LAB_SELECT_SEPARATE`), through the
+/// generation loop with two steps in flight, on the real-dims ×4 model: the same tokens, the
+/// log-probabilities within rounding (the sum in another order). In each engine a request with top
+/// logprobs (the general graph) between two without must choose the same tokens: the graph changes
+/// with the request. Not named engine_… so that gpu-parity.sh's kernel group runs it.
+#[test]
+#[ignore = "needs CUDA"]
+fn greedy_head_matches_the_selection_launch() {
+    let model = RealDimsX4::new(97);
+    let steps = REAL_X4_STEPS;
+    let (fuses, [fused, fused_lp, fused_again]) = model.generate_greedy();
+    std::env::set_var("CALLA_LAB_SELECT_SEPARATE", "1");
+    let (separate_fuses, [separate, separate_lp, _]) = model.generate_greedy();
+    std::env::remove_var("CALLA_LAB_SELECT_SEPARATE");
+    assert!(
+        fuses && !separate_fuses,
+        "the fused head should apply at the real dims, and not with the lab switch"
+    );
+    let tokens = |c: &[TokenChoice]| c.iter().map(|c| c.token).collect::<Vec<u32>>();
+    let same = fused
+        .iter()
+        .zip(&separate)
+        .take_while(|(a, b)| a.token == b.token)
+        .count();
+    let worst = fused
+        .iter()
+        .zip(&separate)
+        .take(same)
+        .map(|(a, b)| (a.logprob - b.logprob).abs())
+        .fold(0f32, f32::max);
+    let switches = tokens(&fused) == tokens(&fused_lp)
+        && tokens(&fused) == tokens(&fused_again)
+        && tokens(&separate) == tokens(&separate_lp)
+        && fused_lp.iter().all(|c| c.top.len() == 5);
+    let pass = check_count(
+        "greedy head vs lm_head + select: real dims ×4 q4",
+        &format!("{steps} steps, pipelined"),
+        same,
+        steps,
+        &format!(
+            "Δlp {worst:.1e}{}",
+            if switches { "" } else { " GRAPH SWITCH≠" }
+        ),
+    ) && worst <= 1e-4
+        && switches;
+    assert!(
+        pass,
+        "the fused greedy head differs from lm_head + select ({same}/{steps}, Δlp {worst:.1e}, \
+         graph switches agree: {switches})"
     );
 }
 

@@ -1,7 +1,10 @@
 //! Token selection on the device against calla_engine::sampling::select_token.
 
+use calla_cuda::backend::Cursor;
+use calla_cuda::matvec;
 use calla_cuda::pool::Arena;
 use calla_cuda::select::Selector;
+use calla_cuda::weights::Uploader;
 use calla_engine::sampling::{select_token, SamplingParams};
 use calla_engine::Selection;
 
@@ -201,6 +204,142 @@ fn selection_matches_the_reference_sampler() {
             // logprobs concern the drawn token; compare them only where the draws agree
             all &= tops_equal && worst_lp < lp_tol;
         }
+    }
+    assert!(all);
+}
+
+/// lm_head with plain greedy fused in (matvec_tc.cu `matvec_tc_q4_c2_s1_greedy`) against lm_head
+/// (`matvec_tc_q4_c2_s1`) then the selection kernel, on random q4 heads of K 2048: the same logits to
+/// the bit, the same token (also the reference sampler's on those logits), the log-probability within
+/// rounding (another summation order), the cursor advanced. One round plants an exact tie at the
+/// maximum (the argmax row's codes and parameters copied to a lower row), which the lower id must
+/// win; 160 rows leave most of the blocks' lanes without rows.
+#[test]
+#[ignore = "needs CUDA"]
+fn greedy_head_matches_lm_head_then_select() {
+    let gpu = gpu();
+    let mut rng = Rng::new(83);
+    let k = 2048;
+    let mut all = true;
+    for rows in [160usize, 16_400, 65_536] {
+        let mut arena = Arena::new(&gpu, 64 << 20);
+        let m = {
+            let values = rng.normal_vec(rows * k, 1.0 / (k as f32).sqrt());
+            calla_cpu::random::quantise_affine(rows, k, &values, 4, 64)
+        };
+        let mut up = Uploader {
+            gpu: &gpu,
+            arena: &mut arena,
+            bytes: 0,
+            total: 0,
+            progress: None,
+        };
+        let dm = up.matrix("lm_head", &m).unwrap();
+        let logits_plain = arena.alloc_zeroed(rows * 4).unwrap();
+        let logits_fused = arena.alloc_zeroed(rows * 4).unwrap();
+        let cursor = arena.alloc_zeroed(16).unwrap();
+        let (xd, gd) = (arena.alloc(k * 4).unwrap(), arena.alloc(k * 4).unwrap());
+        let mut sel = Selector::new(&mut arena, rows, 16).unwrap();
+        let norm = Some((gd, 1e-6f32));
+        let plain = matvec::matvec(&gpu, xd, k, norm, &[(dm, logits_plain)], false).unwrap();
+        let select = sel.launch(&gpu, logits_plain, cursor, false, None).unwrap();
+        let fused = matvec::head_greedy(
+            &gpu,
+            xd,
+            k,
+            norm,
+            &(dm, logits_fused),
+            sel.token_out(cursor, true, None),
+            sel.greedy_partials,
+            sel.greedy_counter,
+        )
+        .unwrap()
+        .expect("a q4 head of K 2048 and whole tiles takes the fused kernel");
+        let params = SamplingParams::default();
+        let (mut same, mut total, mut worst_lp) = (0usize, 0usize, 0f32);
+        for round in 0..6usize {
+            let x = rng.normal_vec(k, 1.5);
+            let gain: Vec<f32> = rng.normal_vec(k, 0.2).iter().map(|v| 1.0 + v).collect();
+            gpu.htod(xd, &x).unwrap();
+            gpu.htod(gd, &gain).unwrap();
+            let sel_now = Selection {
+                params: &params,
+                prompt: &[],
+                generated: &[],
+                step: round as u64,
+                top_logprobs: 0,
+            };
+            sel.prepare(&gpu, &sel_now).unwrap();
+            assert!(sel.plain_greedy());
+            let run_plain = |sel: &mut Selector| {
+                for l in &plain {
+                    l.run(&gpu).unwrap();
+                }
+                select.run(&gpu).unwrap();
+                sel.finish(&gpu).unwrap()
+            };
+            let mut tie = None;
+            if round == 3 {
+                // copy the argmax row over a lower one: an exact tie at the maximum
+                let hi = run_plain(&mut sel).token as usize;
+                let lo = hi / 2;
+                if lo < hi {
+                    let (rb, pb) = (dm.row_bytes(), dm.groups_per_row() * 4);
+                    let mut codes = vec![0u8; rb];
+                    let mut prm = vec![0u8; pb];
+                    gpu.dtoh(dm.data.offset(hi * rb), &mut codes).unwrap();
+                    gpu.dtoh(dm.params.offset(hi * pb), &mut prm).unwrap();
+                    gpu.htod(dm.data.offset(lo * rb), &codes).unwrap();
+                    gpu.htod(dm.params.offset(lo * pb), &prm).unwrap();
+                    tie = Some((lo, hi));
+                }
+            }
+            let want = run_plain(&mut sel);
+            let start = Cursor {
+                state_base: 0,
+                pos: 7 + round as i32,
+                token: -1,
+            };
+            gpu.htod(cursor, std::slice::from_ref(&start)).unwrap();
+            fused.run(&gpu).unwrap();
+            let got = sel.finish(&gpu).unwrap();
+            let (lp, lf) = (
+                download(&gpu, logits_plain, rows),
+                download(&gpu, logits_fused, rows),
+            );
+            let reference = select_token(&lp, &sel_now);
+            let mut after = [Cursor::default()];
+            gpu.dtoh(cursor, &mut after).unwrap();
+            let bits_equal = lp.iter().zip(&lf).all(|(a, b)| a.to_bits() == b.to_bits());
+            let ok = bits_equal
+                && got.token == want.token
+                && got.token == reference.token
+                && after[0].token == got.token as i32
+                && after[0].pos == start.pos + 1;
+            if !ok {
+                eprintln!(
+                    "greedy head rows {rows} round {round}: fused {} lm_head+select {} reference {} \
+                     logits bit-equal {bits_equal} cursor {:?}",
+                    got.token, want.token, reference.token, after[0]
+                );
+            }
+            if let Some((lo, hi)) = tie {
+                assert!(
+                    lp[lo] == lp[hi] && want.token as usize == lo,
+                    "rows {rows}: the planted tie ({lo}, {hi}) did not tie at the maximum"
+                );
+            }
+            total += 1;
+            same += ok as usize;
+            worst_lp = worst_lp.max((got.logprob - want.logprob).abs());
+        }
+        all &= check_count(
+            "greedy head vs lm_head + select",
+            &format!("V={rows} K={k} q4"),
+            same,
+            total,
+            &format!("Δlp {worst_lp:.1e}"),
+        ) && worst_lp < 1e-4;
     }
     assert!(all);
 }
