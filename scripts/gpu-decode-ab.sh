@@ -7,7 +7,8 @@
 # A configuration that starts with bin=DIR runs DIR/calla (with DIR/kernel-cache added to the cache)
 # instead of .gpu-bin/calla: two builds side by side, e.g. 'bin=.gpu-old' '' with .gpu-old a copy of
 # an older .gpu-bin (carry both; calla.gz and kernel-cache.tar.gz are unpacked here).
-# Environment: CONTEXT (4096), GEN (64), ROUNDS (2: bench rounds), PASSES (2).
+# Environment: CONTEXT (4096), GEN (64), ROUNDS (2: bench rounds), PASSES (2), BENCH_ARGS (more bench
+# options for every configuration, e.g. "--temperature 0.7 --top-k 20").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOGS=${OUT:-$PWD/gpu-logs}
@@ -31,7 +32,7 @@ for pass in $(seq 1 "${PASSES:-2}"); do
         case "$cfg" in bin=*) d=${cfg%% *}; bin=${d#bin=}/calla; vars=${cfg#"$d"}
             [ -f "$bin" ] || bin=/tmp/ab-${d#bin=}/calla ;; esac
         env $vars timeout 200 "$bin" bench --synthetic qwen3.6-35b-a3b --quant q4 --prompt-len 512 \
-            --gen-len "${GEN:-64}" --rounds "${ROUNDS:-2}" --context "${CONTEXT:-4096}" --profile > "$f" 2>&1
+            --gen-len "${GEN:-64}" --rounds "${ROUNDS:-2}" --context "${CONTEXT:-4096}" --profile ${BENCH_ARGS:-} > "$f" 2>&1
         echo "== [$i] ${cfg:-default} (pass $pass, rc $?)"
         grep -E '^\| *[0-9]' "$f"
         grep -E '^  [a-z_0-9]+ +×|decode step \(graph' "$f" | sed 's/^  /    /'

@@ -873,6 +873,12 @@ __device__ __forceinline__ void select_greedy(const SelectParams& p, const Selec
 }
 
 extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const SelectParams p) {
+#if SEL_LAB_EMPTY == 2 // lab: the launch without its work or its call stack (nothing chosen, the cursor not advanced)
+    if (p.V > 0) return;
+#else
+#if SEL_LAB_EMPTY == 1 // lab: the launch without its work, its 400-byte call stack kept
+    if (p.V > 0) return;
+#endif
     extern __shared__ float sm[];
     // two arrays of `arr` floats: a block's values, then the merged candidates / draw tiles
     const int arr = max(max(p.chunk, (int)gridDim.x * SEL_MAX_CAND), max((int)gridDim.x * SEL_MAX_LOGPROBS, (int)blockDim.x + 1));
@@ -1483,6 +1489,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         publish_choice(p, c, token, raw_tok - g_lse, sampled, p.result_host ? ((const Cursor*)p.cursor)->pos : 0);
     }
     if (!grid) LAB_STAMP(7); // lab: the result written (warp 0: after thread 0's stores)
+#endif
 }
 
 // ---------------------------------------------------------------- penalty tables

@@ -324,10 +324,26 @@ impl CudaBackend {
     fn decode_launches(&self, fused_greedy: bool) -> Vec<Launch> {
         let mut out = self.body.clone();
         match (&self.head_greedy, fused_greedy) {
-            (Some(l), true) => out.push(l.clone()),
+            (Some(l), true) => {
+                out.push(l.clone());
+                // lab: the selection launch inserted at this index too (with the define
+                // SEL_LAB_EMPTY=2 a launch that does nothing), to price one more kernel there
+                if let Some(at) = std::env::var("CALLA_LAB_EXTRA_AT")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                {
+                    out.insert(at.min(out.len()), self.select_advance.clone());
+                }
+            }
             _ => {
                 out.extend(self.head.iter().cloned());
-                out.push(self.select_advance.clone());
+                // lab: the selection first (of the previous replay's logits; timing only, the tokens
+                // are not the model's), so that lm_head ends the graph
+                if std::env::var_os("CALLA_LAB_SELECT_FIRST").is_some() {
+                    out.insert(0, self.select_advance.clone());
+                } else {
+                    out.push(self.select_advance.clone());
+                }
             }
         }
         out
