@@ -107,12 +107,7 @@ __device__ __forceinline__ void rope_row_finish(const RopeRowIn& in, float* dst,
         const int i = lane + 32 * j;
         if (i < half) {
             const float angle = (float)pos * in.inv_freq[j];
-#if defined(ATTN_LAB_SINCOS_FAST) // lab: no local memory (sinf's slow path has a 28-byte array), inexact
-            float s, c;
-            __sincosf(angle, &s, &c);
-#else
             const float c = cosf(angle), s = sinf(angle);
-#endif
             const float x1 = dst[i], x2 = dst[i + half];
             dst[i] = x1 * c - x2 * s;
             dst[i + half] = x2 * c + x1 * s;

@@ -1099,9 +1099,6 @@ struct GreedyHeadMap : MatvecMapT<false, false, 0, 0, 0, 0, 1> {
     mutable GreedyAcc acc; // thread tid < 16: its rows so far
     __device__ void tail(int t, float y_t, const Tail&, bool, float*) const {
         const int row = 16 * t + (int)threadIdx.x;
-#if defined(GREEDY_LAB_NO_TAIL) // lab: no per-tile fold (timing only: the token is wrong)
-        if (row >= 0) return;
-#endif
         if (threadIdx.x >= 16 || row >= p.total_rows) return;
         const float r = sanitise(y_t);
         if (r > acc.v) { acc.v = r; acc.i = row; } // rows rise with t: the first of equals is kept
@@ -1119,9 +1116,6 @@ extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c2_s1_
     const TcMatvecParams none{};
     const GreedyHeadMap map{{p.m, none}, GreedyAcc{NEG_INF, 0.0f, NEG_INF, 0x7fffffff}};
     tc_body<2, MTC_NB_C2>(map);
-#if defined(GREEDY_LAB_NO_EPILOGUE) // lab: no partial, ticket or merge (timing only: nothing is chosen)
-    if (p.m.K > 0) return;
-#endif
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x, nb = gridDim.x;
     float* pm = (float*)p.partials;

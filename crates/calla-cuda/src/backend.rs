@@ -166,7 +166,6 @@ pub struct CudaBackend {
     /// lm_head with plain greedy selection fused in, where the formats allow (head + select_advance
     /// in one launch for plain greedy)
     head_greedy: Option<Launch>,
-    lab_head_as_greedy: Option<Launch>,
     graphs: Option<Graphs>,
     cursor_mirror: Option<Cursor>,
     /// each step's selection result, written by the selection kernel into slot pos & 1
@@ -243,15 +242,6 @@ impl CudaBackend {
             true,
             Some(readback.device_ptr()),
         )?;
-        // lab: the general path's lm_head as the greedy kernel publishing into a dummy
-        let lab_head_as_greedy = if std::env::var_os("CALLA_LAB_HEAD_AS_GREEDY").is_some() {
-            let mut out = selector.token_out(scratch.cursor, false, None);
-            out.config = selector.lab_dummy_out.0;
-            out.result = selector.lab_dummy_out.offset(64).0;
-            forward::head_greedy_launch(&gpu, spec, &model, &scratch, &selector, out)?
-        } else {
-            None
-        };
         let head_greedy = forward::head_greedy_launch(
             &gpu,
             spec,
@@ -291,7 +281,6 @@ impl CudaBackend {
             head,
             select_advance,
             head_greedy,
-            lab_head_as_greedy,
             graphs: None,
             cursor_mirror: None,
             readback,
@@ -347,17 +336,8 @@ impl CudaBackend {
                 }
             }
             _ => {
-                match &self.lab_head_as_greedy {
-                    Some(l) => out.push(l.clone()),
-                    None => out.extend(self.head.iter().cloned()),
-                }
-                // lab: the selection first (of the previous replay's logits; timing only, the tokens
-                // are not the model's), so that lm_head ends the graph
-                if std::env::var_os("CALLA_LAB_SELECT_FIRST").is_some() {
-                    out.insert(0, self.select_advance.clone());
-                } else {
-                    out.push(self.select_advance.clone());
-                }
+                out.extend(self.head.iter().cloned());
+                out.push(self.select_advance.clone());
             }
         }
         out

@@ -176,8 +176,6 @@ pub struct Selector {
     /// the fused greedy head's partials (4 × GREEDY_HEAD_MAX_BLOCKS words) and its ticket
     pub greedy_partials: DPtr,
     pub greedy_counter: DPtr,
-    /// lab (CALLA_LAB_HEAD_AS_GREEDY): a SelectConfig and a SelectResult nobody reads
-    pub lab_dummy_out: DPtr,
     /// staging for penalty id lists
     ids: DPtr,
     ids_capacity: usize,
@@ -217,7 +215,6 @@ impl Selector {
             counts: arena.alloc_zeroed(vocab * 4)?,
             greedy_partials: arena.alloc_zeroed(4 * GREEDY_HEAD_MAX_BLOCKS * 4)?,
             greedy_counter: arena.alloc_zeroed(4)?,
-            lab_dummy_out: arena.alloc_zeroed(256)?,
             ids: arena.alloc(max_ids * 4)?,
             ids_capacity: max_ids,
             blocks,
