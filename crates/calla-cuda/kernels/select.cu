@@ -873,10 +873,11 @@ __device__ __forceinline__ void select_greedy(const SelectParams& p, const Selec
 }
 
 extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const SelectParams p) {
-#if SEL_LAB_EMPTY == 2 // lab: the launch without its work or its call stack (nothing chosen, the cursor not advanced)
+// Labs pricing the launch itself in the decode graph (docs/performance.md, session 20):
+#if SEL_LAB_EMPTY == 2 // the launch without its work or its call stack (nothing chosen, the cursor not advanced)
     if (p.V > 0) return;
 #else
-#if SEL_LAB_EMPTY == 1 // lab: the launch without its work, its 400-byte call stack kept
+#if SEL_LAB_EMPTY == 1 // the launch without its work, its 400-byte call stack kept
     if (p.V > 0) return;
 #endif
     extern __shared__ float sm[];

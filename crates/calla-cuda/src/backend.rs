@@ -149,6 +149,8 @@ pub struct CudaLoadReport {
     pub weight_bytes: usize,
     pub upload_seconds: f64,
     pub kernel_modules: Vec<(String, usize, bool, f64)>,
+    /// a plain-greedy decode step's launches (other selections add one where lm_head chooses greedy
+    /// tokens itself)
     pub launches_per_token: usize,
     pub state_bytes_per_sequence: usize,
 }
@@ -267,7 +269,12 @@ impl CudaBackend {
                     )
                 })
                 .collect(),
-            launches_per_token: body.len() + head.len() + 1,
+            launches_per_token: body.len()
+                + if head_greedy.is_some() {
+                    1
+                } else {
+                    head.len() + 1
+                },
             state_bytes_per_sequence: layout.bytes,
         };
         let mut backend = CudaBackend {
