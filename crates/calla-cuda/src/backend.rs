@@ -316,15 +316,7 @@ impl CudaBackend {
             token: StepGraph::capture(&self.gpu, &self.body)?,
             decode: StepGraph::capture(&self.gpu, &decode)?,
             decode_greedy,
-            logits: StepGraph::capture(
-                &self.gpu,
-                // lab: the logits graph without lm_head's launch (timing only: forward_logits is wrong)
-                if std::env::var_os("CALLA_LAB_NO_LOGITS_GRAPH").is_some() {
-                    &self.body[..1]
-                } else {
-                    &self.head
-                },
-            )?,
+            logits: StepGraph::capture(&self.gpu, &self.head)?,
         });
         tracing::info!(
             "cuda: decode step captured as one graph of {} launches in {:.1} ms",
@@ -340,13 +332,7 @@ impl CudaBackend {
         let mut out = self.body.clone();
         match (&self.head_greedy, fused_greedy) {
             (Some(l), true) => {
-                // lab: lm_head's plain launch in the greedy graph's place (timing only: nothing is
-                // chosen), to price the two kernels as the graph's last node
-                if std::env::var_os("CALLA_LAB_HEAD_PLAIN_LAST").is_some() {
-                    out.extend(self.head.iter().cloned());
-                } else {
-                    out.push(l.clone());
-                }
+                out.push(l.clone());
                 // lab: the selection launch inserted at this index too (with the define
                 // SEL_LAB_EMPTY=2 a launch that does nothing), to price one more kernel there
                 if let Some(at) = std::env::var("CALLA_LAB_EXTRA_AT")

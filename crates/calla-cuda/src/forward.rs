@@ -530,8 +530,7 @@ pub fn head_greedy_launch(
         spec.hidden_size,
         Some((model.final_gain, spec.rms_norm_eps)),
         &(model.lm_head, s.logits),
+        selector,
         token,
-        selector.greedy_partials,
-        selector.greedy_counter,
     )
 }

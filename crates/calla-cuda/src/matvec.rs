@@ -262,8 +262,8 @@ pub struct GreedyHeadParams {
 }
 
 /// lm_head (`out = W·rmsnorm(x)·gain`, one segment) that also chooses the next token by plain greedy
-/// and publishes it into `token` as the selection kernel would (kernels/matvec_tc.cu
-/// `matvec_tc_q4_c2_s1_greedy`), where that kernel takes the matrix: q4 on the tensor cores, K 2048,
+/// and publishes it into `token` as the selection kernel would, with `selector`'s partials and ticket
+/// (kernels/matvec_tc.cu `matvec_tc_q4_c2_s1_greedy`), where that kernel takes the matrix: q4 on the tensor cores, K 2048,
 /// rows a multiple of 16, and the lab switch `CALLA_LAB_SELECT_SEPARATE` unset. Else None, and the
 /// decode step keeps the selection launch for plain greedy as for every other mode.
 pub fn head_greedy(
@@ -272,9 +272,8 @@ pub fn head_greedy(
     k: usize,
     norm: Option<(DPtr, f32)>,
     head: &(DevMatrix, DPtr),
+    selector: &crate::select::Selector,
     token: crate::select::TokenOut,
-    partials: DPtr,
-    counter: DPtr,
 ) -> Result<Option<Launch>> {
     let segments = [head];
     if DotEngine::default_for_run() != DotEngine::TensorCores
@@ -287,8 +286,8 @@ pub fn head_greedy(
     let p = GreedyHeadParams {
         m: params(x, k, norm, &segments, false)?,
         out: token,
-        partials: partials.0,
-        counter: counter.0,
+        partials: selector.greedy_partials.0,
+        counter: selector.greedy_counter.0,
     };
     let l = tensor_core_launch(gpu, "matvec_tc_q4_c2_s1_greedy", k, head.0.rows, &p)?;
     ensure!(

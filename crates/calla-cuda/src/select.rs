@@ -280,16 +280,14 @@ impl Selector {
             advance: advance as i32,
             sub_log2: self.grid_draw(gpu)?,
         };
-        // Lab (with SEL_LAB_EMPTY=2 only: the body needs its blocks and shared memory): the launch's
-        // shape, CALLA_LAB_SELECT_SHAPE=blocks,smem_bytes, to price it in the graph (session 20).
-        let (blocks, smem) = match std::env::var("CALLA_LAB_SELECT_SHAPE").ok().and_then(|v| {
-            v.split_once(',')
-                .map(|(b, s)| (b.parse::<u32>(), s.parse::<u32>()))
-        }) {
-            Some((Ok(b), Ok(s))) => (b.max(1), s),
-            _ => (self.blocks as u32, self.smem() as u32),
-        };
-        Launch::new(gpu, "select_token", (blocks, 1, 1), THREADS, smem, &p)
+        Launch::new(
+            gpu,
+            "select_token",
+            (self.blocks as u32, 1, 1),
+            THREADS,
+            self.smem() as u32,
+            &p,
+        )
     }
 
     /// Where a selection launch (or lm_head with greedy fused in) puts the chosen token.

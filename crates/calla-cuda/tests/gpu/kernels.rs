@@ -9,7 +9,6 @@ use calla_cuda::forward;
 use calla_cuda::matvec::{self, DotEngine};
 use calla_cuda::pool::Arena;
 use calla_cuda::sequence::CudaSequence;
-use calla_cuda::weights::Uploader;
 use calla_cuda::{CudaBackend, CudaOptions, KvDtype};
 use calla_engine::Backend;
 use calla_model::load::Quant;
@@ -85,14 +84,7 @@ fn matvec_every_format_against_cpu_linear() {
             let w = rng.normal_vec(k, 0.2);
             let start = rng.normal_vec(rows, 1.0);
             let gain: Vec<f32> = w.iter().map(|v| 1.0 + v).collect();
-            let mut up = Uploader {
-                gpu: &gpu,
-                arena: &mut arena,
-                bytes: 0,
-                total: 0,
-                progress: None,
-            };
-            let dm = up.matrix("w", &m).unwrap();
+            let dm = upload_matrix(&gpu, &mut arena, "w", &m);
             let (xd, gd, out) = (
                 arena.upload(&x).unwrap(),
                 arena.upload(&gain).unwrap(),
@@ -153,14 +145,10 @@ fn matvec_every_format_against_cpu_linear() {
         random_matrix(&mut rng, 7, k, "q4"),
     ];
     let x = rng.normal_vec(k, 1.0);
-    let mut up = Uploader {
-        gpu: &gpu,
-        arena: &mut arena,
-        bytes: 0,
-        total: 0,
-        progress: None,
-    };
-    let dms: Vec<_> = parts.iter().map(|p| up.matrix("w", p).unwrap()).collect();
+    let dms: Vec<_> = parts
+        .iter()
+        .map(|p| upload_matrix(&gpu, &mut arena, "w", p))
+        .collect();
     let xd = arena.upload(&x).unwrap();
     let outs: Vec<_> = parts
         .iter()
@@ -202,14 +190,10 @@ fn matvec_every_format_against_cpu_linear() {
     let x = rng.normal_vec(k, 1.0);
     let w = rng.normal_vec(k, 0.2);
     let gain: Vec<f32> = w.iter().map(|v| 1.0 + v).collect();
-    let mut up = Uploader {
-        gpu: &gpu,
-        arena: &mut arena,
-        bytes: 0,
-        total: 0,
-        progress: None,
-    };
-    let dms: Vec<_> = parts.iter().map(|p| up.matrix("w", p).unwrap()).collect();
+    let dms: Vec<_> = parts
+        .iter()
+        .map(|p| upload_matrix(&gpu, &mut arena, "w", p))
+        .collect();
     let (xd, gd) = (arena.upload(&x).unwrap(), arena.upload(&gain).unwrap());
     let outs: Vec<_> = parts
         .iter()
@@ -256,14 +240,7 @@ fn embedding_gather_every_format() {
         let (v, d) = (1000, 2048);
         let mut arena = Arena::new(&gpu, 64 << 20);
         let m = random_matrix(&mut rng, v, d, format);
-        let mut up = Uploader {
-            gpu: &gpu,
-            arena: &mut arena,
-            bytes: 0,
-            total: 0,
-            progress: None,
-        };
-        let dm = up.matrix("embed", &m).unwrap();
+        let dm = upload_matrix(&gpu, &mut arena, "embed", &m);
         let cursor = arena.alloc_zeroed(16).unwrap();
         let out = arena.alloc_zeroed(d * 4).unwrap();
         for token in [0usize, 517, 999] {

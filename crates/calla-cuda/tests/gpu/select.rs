@@ -4,7 +4,6 @@ use calla_cuda::backend::Cursor;
 use calla_cuda::matvec;
 use calla_cuda::pool::Arena;
 use calla_cuda::select::Selector;
-use calla_cuda::weights::Uploader;
 use calla_engine::sampling::{select_token, SamplingParams};
 use calla_engine::Selection;
 
@@ -227,14 +226,7 @@ fn greedy_head_matches_lm_head_then_select() {
             let values = rng.normal_vec(rows * k, 1.0 / (k as f32).sqrt());
             calla_cpu::random::quantise_affine(rows, k, &values, 4, 64)
         };
-        let mut up = Uploader {
-            gpu: &gpu,
-            arena: &mut arena,
-            bytes: 0,
-            total: 0,
-            progress: None,
-        };
-        let dm = up.matrix("lm_head", &m).unwrap();
+        let dm = upload_matrix(&gpu, &mut arena, "lm_head", &m);
         let logits_plain = arena.alloc_zeroed(rows * 4).unwrap();
         let logits_fused = arena.alloc_zeroed(rows * 4).unwrap();
         let cursor = arena.alloc_zeroed(16).unwrap();
@@ -249,9 +241,8 @@ fn greedy_head_matches_lm_head_then_select() {
             k,
             norm,
             &(dm, logits_fused),
+            &sel,
             sel.token_out(cursor, true, None),
-            sel.greedy_partials,
-            sel.greedy_counter,
         )
         .unwrap()
         .expect("a q4 head of K 2048 and whole tiles takes the fused kernel");

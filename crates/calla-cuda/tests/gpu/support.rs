@@ -3,8 +3,10 @@
 use std::sync::{Arc, OnceLock};
 
 use calla_cuda::gpu::{DPtr, Gpu};
+use calla_cuda::pool::Arena;
+use calla_cuda::weights::{DevMatrix, Uploader};
 use calla_model::load::Quant;
-use calla_model::{LayerKind, ModelSpec, Weights};
+use calla_model::{LayerKind, Matrix, ModelSpec, Weights};
 
 pub use calla_cpu::random::Rng;
 
@@ -98,6 +100,19 @@ pub fn gpu() -> Arc<Gpu> {
         Err(e) => panic!("these tests need a CUDA GPU: {e:#}"),
     })
     .clone()
+}
+
+/// `m` uploaded into `arena` in the engine's device format.
+pub fn upload_matrix(gpu: &Arc<Gpu>, arena: &mut Arena, name: &str, m: &Matrix) -> DevMatrix {
+    let mut up = Uploader {
+        gpu,
+        arena,
+        bytes: 0,
+        total: 0,
+        progress: None,
+    };
+    up.matrix(name, m)
+        .unwrap_or_else(|e| panic!("{name}: {e:#}"))
 }
 
 pub fn download(gpu: &Gpu, ptr: DPtr, n: usize) -> Vec<f32> {
