@@ -86,6 +86,26 @@ impl ApiError {
         }
     }
 
+    /// Too many open connections (the connection cap).
+    pub fn overloaded() -> ApiError {
+        ApiError {
+            code: Some("server_overloaded"),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable_error",
+                "The server has too many open connections. Retry later.",
+            )
+        }
+    }
+
+    pub fn too_large() -> ApiError {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "The request body is too large.",
+        )
+    }
+
     pub fn loading() -> ApiError {
         ApiError {
             code: Some("model_loading"),

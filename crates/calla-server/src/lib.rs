@@ -15,6 +15,8 @@ pub mod codec;
 pub mod completions;
 pub mod errors;
 pub mod generation;
+pub mod guard;
+pub mod listen;
 pub mod load;
 pub mod metrics;
 pub mod params;
@@ -23,22 +25,9 @@ pub mod routes;
 pub mod sse;
 pub mod state;
 
-use std::future::Future;
-use std::sync::Arc;
-
 pub use codec::{IncrementalText, TextCodec};
 pub use errors::ApiError;
+pub use listen::{serve, Limits};
 pub use load::{start_runtime, RuntimeOptions};
 pub use routes::router;
 pub use state::{AppState, Runtime, ServerConfig};
-
-/// Serve on `listener` until `shutdown` completes.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    state: Arc<AppState>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
-}

@@ -12,11 +12,7 @@ use crate::state::AppState;
 pub fn parse_body(body: Result<Bytes, BytesRejection>) -> Result<Json, ApiError> {
     let bytes = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "The request body is too large.",
-            )
+            ApiError::too_large()
         } else {
             ApiError::bad_request(format!("Could not read the request body: {rejection}"))
         }

@@ -14,6 +14,7 @@ use crate::auth::require_api_key;
 use crate::chat::chat_completions;
 use crate::completions::completions;
 use crate::errors::ApiError;
+use crate::guard::{check_request, read_body};
 use crate::state::AppState;
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -25,9 +26,19 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        // Innermost first: the body is read (with its deadline) only for authorised requests, and
+        // nothing runs before the Host / Origin / Content-Type checks.
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            read_body,
+        ))
         .layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             require_api_key,
+        ))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            check_request,
         ))
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
         .with_state(state)

@@ -13,6 +13,7 @@ use calla_model::load::GenerationDefaults;
 use crate::auth::ApiKey;
 use crate::codec::TextCodec;
 use crate::errors::ApiError;
+use crate::listen::Limits;
 use crate::metrics::{EngineGauges, Metrics};
 
 #[derive(Debug, Clone)]
@@ -26,6 +27,15 @@ pub struct ServerConfig {
     pub log_text: bool,
     /// Most choices one request may ask for (`n`).
     pub max_n: usize,
+    /// Longest prompt text (a completion prompt, or all message contents of a chat request), in
+    /// bytes, checked before tokenizing; longer gets 400.
+    pub max_prompt_bytes: usize,
+    /// Host names requests may name (guard.rs); None = any. Default: loopback names.
+    pub allowed_hosts: Option<Vec<String>>,
+    /// Origins allowed besides the allowed hosts' own pages (`--cors-origin`; `*` = any).
+    pub cors_origins: Vec<String>,
+    /// Timeouts and the connection cap (listen.rs).
+    pub limits: Limits,
 }
 
 impl Default for ServerConfig {
@@ -36,6 +46,10 @@ impl Default for ServerConfig {
             max_body_bytes: 16 << 20,
             log_text: false,
             max_n: 16,
+            max_prompt_bytes: 4 << 20,
+            allowed_hosts: crate::guard::allowed_hosts_for("127.0.0.1"),
+            cors_origins: Vec::new(),
+            limits: Limits::default(),
         }
     }
 }
