@@ -1,0 +1,323 @@
+//! Hostile and stalled clients (issue 33): connection timeouts and cap, shutdown deadline, Host /
+//! Origin / Content-Type checks, JSON bodies for HTTP-layer errors, prompt-size and queue limits.
+//! Every test is bounded: timeouts are set to fractions of a second.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use calla_server::{AppState, Limits, ServerConfig};
+use common::*;
+use serde_json::{json, Value as Json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const CHAT: &str = "/v1/chat/completions";
+
+fn quick_limits() -> Limits {
+    Limits {
+        header_timeout: Duration::from_millis(300),
+        body_timeout: Duration::from_millis(300),
+        write_timeout: Duration::from_millis(300),
+        shutdown_deadline: Duration::from_millis(500),
+        ..Limits::default()
+    }
+}
+
+fn config(limits: Limits) -> ServerConfig {
+    ServerConfig {
+        served_model_name: "test-model".into(),
+        limits,
+        ..ServerConfig::default()
+    }
+}
+
+/// Read until the server closes the connection (or `within` passes: then None).
+async fn read_until_closed(stream: &mut TcpStream, within: Duration) -> Option<String> {
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(within, async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    read.ok().map(|_| String::from_utf8_lossy(&out).into_owned())
+}
+
+fn body_of(raw: &str) -> Json {
+    let body = raw.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {raw:?}"))
+}
+
+fn status_of(raw: &str) -> u16 {
+    raw.split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn idle_and_half_sent_connections_are_closed() {
+    let server = start(Options {
+        config: config(quick_limits()),
+        ..Options::default()
+    })
+    .await;
+    // Connected, says nothing.
+    let mut idle = TcpStream::connect(server.addr).await.unwrap();
+    // Half a request head.
+    let mut partial = TcpStream::connect(server.addr).await.unwrap();
+    partial
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .await
+        .unwrap();
+    // A kept-alive connection after one complete request.
+    let mut kept = TcpStream::connect(server.addr).await.unwrap();
+    kept.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    for stream in [&mut idle, &mut partial, &mut kept] {
+        assert!(
+            read_until_closed(stream, Duration::from_secs(5))
+                .await
+                .is_some(),
+            "a connection stayed open"
+        );
+    }
+    assert!(started.elapsed() < Duration::from_secs(4));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_body_gets_408_in_json() {
+    let server = start(Options {
+        config: config(quick_limits()),
+        ..Options::default()
+    })
+    .await;
+    let mut stream = TcpStream::connect(server.addr).await.unwrap();
+    stream
+        .write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+              Content-Length: 1000\r\n\r\n{\"messages\": [",
+        )
+        .await
+        .unwrap();
+    let raw = read_until_closed(&mut stream, Duration::from_secs(5))
+        .await
+        .expect("closed");
+    assert_eq!(status_of(&raw), 408, "{raw}");
+    assert!(body_of(&raw)["error"]["message"].is_string());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_over_the_cap_get_503_and_the_server_recovers() {
+    let server = start(Options {
+        config: config(Limits {
+            max_connections: 3,
+            ..quick_limits()
+        }),
+        ..Options::default()
+    })
+    .await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(TcpStream::connect(server.addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut extra = TcpStream::connect(server.addr).await.unwrap();
+    let raw = read_until_closed(&mut extra, Duration::from_secs(2))
+        .await
+        .expect("refused at once");
+    assert_eq!(status_of(&raw), 503, "{raw}");
+    assert_eq!(body_of(&raw)["error"]["code"], "server_overloaded");
+    // The idle ones time out; then everyone is served again.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(get(server.addr, "/health").await.status, 200);
+    drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_stops_reading_is_dropped_and_its_work_cancelled() {
+    let server = start(Options {
+        config: config(quick_limits()),
+        max_context: 1 << 20,
+        ..Options::default()
+    })
+    .await;
+    let body = json!({"messages": user("long 400000"), "stream": true,
+                      "chat_template_kwargs": {"enable_thinking": false}})
+    .to_string();
+    let mut stream = TcpStream::connect(server.addr).await.unwrap();
+    let head = format!(
+        "POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(body.as_bytes()).await.unwrap();
+    // Never read. The socket buffers fill, the write stalls, the server gives up and cancels.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if server.state.metrics.requests_cancelled.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the stalled stream was never dropped");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(server.steps.load(Ordering::SeqCst) < 400_000);
+    drop(stream);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_does_not_wait_past_its_deadline_for_a_half_sent_request() {
+    let state = AppState::new(config(quick_limits()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(calla_server::serve(listener, Arc::clone(&state), async {
+        let _ = rx.await;
+    }));
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+              Content-Length: 100000\r\n\r\n{\"prompt\": \"",
+        )
+        .await
+        .unwrap();
+    // Keep the body trickling so no read timeout fires before the shutdown.
+    let trickle = tokio::spawn(async move {
+        for _ in 0..100 {
+            if stream.write_all(b"a").await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let asked = Instant::now();
+    let _ = tx.send(());
+    tokio::time::timeout(Duration::from_secs(5), serving)
+        .await
+        .expect("shutdown hung")
+        .unwrap()
+        .unwrap();
+    assert!(asked.elapsed() < Duration::from_secs(3));
+    trickle.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn web_pages_cannot_drive_the_server() {
+    let server = start(Options::default()).await;
+    let addr = server.addr;
+    let body = json!({"messages": user("hi"), "max_tokens": 2}).to_string();
+    let raw = |headers: &'static [(&'static str, &'static str)], content_type: &'static str| {
+        let body = body.clone();
+        async move {
+            let mut stream = TcpStream::connect(addr).await.unwrap();
+            let mut head = format!("POST {CHAT} HTTP/1.0\r\nContent-Length: {}\r\n", body.len());
+            if !content_type.is_empty() {
+                head.push_str(&format!("Content-Type: {content_type}\r\n"));
+            }
+            for (k, v) in headers {
+                head.push_str(&format!("{k}: {v}\r\n"));
+            }
+            head.push_str("\r\n");
+            stream.write_all(head.as_bytes()).await.unwrap();
+            stream.write_all(body.as_bytes()).await.unwrap();
+            read_until_closed(&mut stream, Duration::from_secs(5))
+                .await
+                .unwrap()
+        }
+    };
+    const LOCAL: &[(&str, &str)] = &[("Host", "127.0.0.1")];
+    // A cross-site "simple" request: text/plain.
+    let r = raw(LOCAL, "text/plain").await;
+    assert_eq!(status_of(&r), 415, "{r}");
+    assert!(body_of(&r)["error"]["message"].is_string());
+    let r = raw(LOCAL, "").await;
+    assert_eq!(status_of(&r), 415, "{r}");
+    // DNS rebinding: the page's own name in Host.
+    let r = raw(&[("Host", "evil.example:8000")], "application/json").await;
+    assert_eq!(status_of(&r), 403, "{r}");
+    assert_eq!(body_of(&r)["error"]["type"], "permission_error");
+    // Another site's page.
+    let r = raw(
+        &[("Host", "localhost"), ("Origin", "https://evil.example")],
+        "application/json",
+    )
+    .await;
+    assert_eq!(status_of(&r), 403, "{r}");
+    let r = raw(&[("Host", "localhost"), ("Origin", "null")], "application/json").await;
+    assert_eq!(status_of(&r), 403, "{r}");
+    // The server's own names, with and without an Origin, and JSON with a charset.
+    let r = raw(
+        &[("Host", "localhost:8000"), ("Origin", "http://localhost:8000")],
+        "application/json; charset=utf-8",
+    )
+    .await;
+    assert_eq!(status_of(&r), 200, "{r}");
+    let r = raw(&[("Host", "[::1]:8000")], "application/json").await;
+    assert_eq!(status_of(&r), 200, "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cors_origins_and_any_host_binds() {
+    let server = start(Options {
+        config: ServerConfig {
+            served_model_name: "test-model".into(),
+            allowed_hosts: None,
+            cors_origins: vec!["https://app.example".into()],
+            ..ServerConfig::default()
+        },
+        ..Options::default()
+    })
+    .await;
+    let body = json!({"messages": user("hi"), "max_tokens": 2});
+    let r = request(
+        server.addr,
+        "POST",
+        CHAT,
+        &[("Origin", "https://app.example")],
+        body.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = request(
+        server.addr,
+        "POST",
+        CHAT,
+        &[("Origin", "https://other.example")],
+        body.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 403, "{}", r.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_layer_errors_have_json_bodies() {
+    let server = start(Options::default()).await;
+    let addr = server.addr;
+    let long_path = format!("/v1/models?{}", "a".repeat(10_000));
+    let r = get(addr, &long_path).await;
+    assert_eq!(r.status, 414);
+    assert!(r.json()["error"]["message"].is_string());
+    let big = "b".repeat(40_000);
+    let r = request(addr, "GET", "/health", &[("X-Big", &big)], b"").await;
+    assert_eq!(r.status, 431);
+    assert!(r.json()["error"]["message"].is_string());
+    for (method, path) in [("GET", CHAT), ("DELETE", "/v1/models"), ("PUT", "/health")] {
+        let r = request(addr, method, path, &[], b"").await;
+        assert_eq!(r.status, 405, "{method} {path}");
+        assert!(r.json()["error"]["message"].is_string(), "{}", r.body);
+    }
+    let r = request(addr, "POST", "/nowhere", &[], b"{}").await;
+    assert_eq!(r.status, 404);
+    assert!(r.json()["error"]["message"].is_string());
+}
