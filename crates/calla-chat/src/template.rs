@@ -30,7 +30,18 @@ pub enum TemplateError {
     /// missing. A client error: the message says what the template wanted.
     #[error("chat template: {0}")]
     Render(String),
+    /// The render ran out of its budget (instructions or output bytes): a runaway template or a
+    /// conversation too large for it.
+    #[error("chat template: {0}")]
+    Budget(String),
 }
+
+/// Instructions one render may execute (minijinja fuel). The Qwen3.6 template spends about 100 per
+/// message; this allows tens of thousands of messages and stops a loop that never ends in about a
+/// second.
+pub const DEFAULT_RENDER_FUEL: u64 = 20_000_000;
+/// Bytes one render may write.
+pub const DEFAULT_MAX_RENDER_BYTES: usize = 64 << 20;
 
 /// What one render takes, as transformers passes it to the template.
 #[derive(Debug, Clone, Default)]
@@ -46,6 +57,7 @@ pub struct RenderInput<'a> {
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    max_output_bytes: usize,
     /// bos_token, eos_token, pad_token, unk_token from tokenizer_config.json.
     special_tokens: BTreeMap<String, String>,
 }
@@ -109,12 +121,20 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.set_fuel(Some(DEFAULT_RENDER_FUEL));
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(TemplateError::Syntax)?;
         Ok(ChatTemplate {
             env,
+            max_output_bytes: DEFAULT_MAX_RENDER_BYTES,
             special_tokens,
         })
+    }
+
+    /// Set the render budget: instructions (minijinja fuel) and output bytes.
+    pub fn set_limits(&mut self, fuel: u64, max_output_bytes: usize) {
+        self.env.set_fuel(Some(fuel));
+        self.max_output_bytes = max_output_bytes;
     }
 
     pub fn render(&self, input: &RenderInput) -> Result<String, TemplateError> {
@@ -145,9 +165,46 @@ impl ChatTemplate {
                 context.insert(k.clone(), Value::from_serialize(v));
             }
         }
-        template
-            .render(context)
-            .map_err(|e| TemplateError::Render(describe_render_error(&e)))
+        let mut out = BoundedWriter {
+            buf: Vec::new(),
+            limit: self.max_output_bytes,
+            exceeded: false,
+        };
+        match template.render_captured_to(context, &mut out) {
+            Ok(_) => Ok(String::from_utf8(out.buf)
+                .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())),
+            Err(_) if out.exceeded => Err(TemplateError::Budget(format!(
+                "the rendered prompt exceeds {} bytes",
+                self.max_output_bytes
+            ))),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(TemplateError::Budget(
+                "rendering ran out of its instruction budget (the conversation is too large for \
+                 the template, or the template does not terminate)"
+                    .into(),
+            )),
+            Err(e) => Err(TemplateError::Render(describe_render_error(&e))),
+        }
+    }
+}
+
+/// The render's output, refusing writes past `limit`.
+struct BoundedWriter {
+    buf: Vec<u8>,
+    limit: usize,
+    exceeded: bool,
+}
+
+impl std::io::Write for BoundedWriter {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len().saturating_add(bytes.len()) > self.limit {
+            self.exceeded = true;
+            return Err(std::io::Error::other("render output limit"));
+        }
+        self.buf.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -369,6 +426,30 @@ mod tests {
             add_generation_prompt: true,
             ..Default::default()
         })
+    }
+
+    #[test]
+    fn a_template_that_never_ends_runs_out_of_fuel() {
+        let started = std::time::Instant::now();
+        let err = render(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            json!([{"role": "user", "content": "x"}]),
+        )
+        .unwrap_err();
+        assert!(matches!(err, TemplateError::Budget(_)), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    }
+
+    #[test]
+    fn the_rendered_output_is_capped() {
+        let mut template = ChatTemplate::new(
+            "{% for i in range(100) %}{{ 'x' * 1000000 }}{% endfor %}".into(),
+            BTreeMap::new(),
+        )
+        .unwrap();
+        template.set_limits(DEFAULT_RENDER_FUEL, 4 << 20);
+        let err = template.render(&RenderInput::default()).unwrap_err();
+        assert!(matches!(err, TemplateError::Budget(_)), "{err}");
     }
 
     #[test]
