@@ -22,7 +22,7 @@ use crate::chat_reply::ChatReply;
 use crate::errors::ApiError;
 use crate::generation::{submit, Events, RequestLog, Work};
 use crate::params::{from_body, GenParams, SamplingFields};
-use crate::request::{check_model, parse_body};
+use crate::request::{check_model, check_prompt_bytes, parse_body, text_bytes};
 use crate::sse;
 use crate::state::{AppState, Runtime};
 
@@ -120,6 +120,11 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
     let body = parse_body(body)?;
     let common: SamplingFields = from_body(&body)?;
     let fields: ChatFields = from_body(&body)?;
+    check_prompt_bytes(
+        text_bytes(&fields.messages) + fields.tools.as_deref().map_or(0, text_bytes),
+        state.config.max_prompt_bytes,
+        "messages",
+    )?;
     check_model(state, common.model.as_deref())?;
     let params = common.resolve(
         &runtime.defaults,
@@ -199,6 +204,12 @@ pub fn chat_prompt(
         })
     };
     let mut text = render(true).map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+    if text.is_empty() {
+        return Err(ApiError::bad_param(
+            "messages",
+            "The chat template rendered an empty prompt for these messages.",
+        ));
+    }
     let forced = match choice {
         ToolChoice::Required => "<tool_call>\n<function=".to_string(),
         ToolChoice::Function(name) => format!("<tool_call>\n<function={name}>\n"),
@@ -245,7 +256,13 @@ pub async fn chat_completions(
 ) -> Response {
     let arrival = Instant::now();
     let id = state.new_id("chatcmpl-");
-    let prepared = match prepare(&state, body) {
+    let prepared = match state
+        .prepare({
+            let state = Arc::clone(&state);
+            move || prepare(&state, body)
+        })
+        .await
+    {
         Ok(p) => p,
         Err(e) => {
             tracing::info!(target: "calla::request", "{id} chat refused: {e}");

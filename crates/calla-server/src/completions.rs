@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value as Json};
 use crate::errors::ApiError;
 use crate::generation::{submit, GenEvent, RequestLog, TokenLogprob, Work};
 use crate::params::{from_body, GenParams, SamplingFields};
-use crate::request::{check_model, parse_body, Usage};
+use crate::request::{check_model, check_prompt_bytes, parse_body, text_bytes, Usage};
 use crate::sse::{self, Flow, Reply};
 use crate::state::{unix_now, AppState};
 
@@ -95,6 +95,11 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
         .prompt
         .as_ref()
         .ok_or_else(|| ApiError::bad_param("prompt", "'prompt' is required"))?;
+    check_prompt_bytes(
+        text_bytes(std::slice::from_ref(prompt)),
+        state.config.max_prompt_bytes,
+        "prompt",
+    )?;
     let codec = Arc::clone(&runtime.codec);
     let encode = move |text: &str| codec.encode(text);
     let ids = prompt_ids(prompt, &encode, runtime.codec.vocab_size())?;
@@ -146,7 +151,13 @@ pub async fn completions(
 ) -> Response {
     let arrival = Instant::now();
     let id = state.new_id("cmpl-");
-    let prepared = match prepare(&state, body) {
+    let prepared = match state
+        .prepare({
+            let state = Arc::clone(&state);
+            move || prepare(&state, body)
+        })
+        .await
+    {
         Ok(p) => p,
         Err(e) => {
             tracing::info!(target: "calla::request", "{id} completions refused: {e}");

@@ -5,13 +5,14 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
+use calla_chat::template::DEFAULT_RENDER_FUEL;
 use calla_chat::{ChatTemplate, TemplateError};
 use calla_engine::scheduler::{Scheduler, SchedulerConfig};
 use calla_engine::Backend;
 use calla_model::load::GenerationDefaults;
 use calla_model::tokenizer::Tokenizer;
 
-use crate::state::Runtime;
+use crate::state::{Runtime, ServerConfig};
 
 #[derive(Debug, Clone)]
 pub struct RuntimeOptions {
@@ -21,6 +22,8 @@ pub struct RuntimeOptions {
     pub max_context: Option<usize>,
     /// Memory for the prefix cache's saved states (0 disables it).
     pub prefix_cache_bytes: usize,
+    /// Most bytes one chat-template render may write (set it to the server's max_prompt_bytes).
+    pub max_prompt_bytes: usize,
 }
 
 impl Default for RuntimeOptions {
@@ -29,6 +32,7 @@ impl Default for RuntimeOptions {
             max_queue: 64,
             max_context: None,
             prefix_cache_bytes: 2 << 30,
+            max_prompt_bytes: ServerConfig::default().max_prompt_bytes,
         }
     }
 }
@@ -42,7 +46,10 @@ pub fn start_runtime(
 ) -> anyhow::Result<Runtime> {
     let tokenizer = Tokenizer::from_dir(dir)?;
     let template = match ChatTemplate::from_dir(dir) {
-        Ok(template) => Some(template),
+        Ok(mut template) => {
+            template.set_limits(DEFAULT_RENDER_FUEL, opts.max_prompt_bytes);
+            Some(template)
+        }
         Err(TemplateError::Missing(_)) => {
             tracing::warn!(
                 "{}: no chat template; only /v1/completions will work",

@@ -27,6 +27,34 @@ pub fn parse_body(body: Result<Bytes, BytesRejection>) -> Result<Json, ApiError>
     Ok(value)
 }
 
+/// Bytes of all the strings in `values` (message contents, tool definitions, prompts): what the
+/// tokenizer and the template will be given, counted before either runs.
+pub fn text_bytes(values: &[Json]) -> usize {
+    fn walk(v: &Json) -> usize {
+        match v {
+            Json::String(s) => s.len(),
+            Json::Array(items) => items.iter().map(walk).sum(),
+            Json::Object(map) => map.iter().map(|(k, v)| k.len() + walk(v)).sum(),
+            _ => 0,
+        }
+    }
+    values.iter().map(walk).sum()
+}
+
+/// A prompt over `--max-prompt-mb` is refused before it is templated or tokenized.
+pub fn check_prompt_bytes(bytes: usize, limit: usize, param: &str) -> Result<(), ApiError> {
+    if bytes > limit {
+        return Err(ApiError {
+            code: Some("context_length_exceeded"),
+            ..ApiError::bad_param(
+                param,
+                format!("The prompt has {bytes} bytes of text; this server accepts at most {limit}."),
+            )
+        });
+    }
+    Ok(())
+}
+
 /// `model` must be the served name (or absent: clients that send none get the one model).
 pub fn check_model(state: &AppState, requested: Option<&str>) -> Result<(), ApiError> {
     match requested {

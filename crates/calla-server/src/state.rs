@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use calla_chat::ChatTemplate;
+use tokio::sync::Semaphore;
 use calla_engine::scheduler::Scheduler;
 use calla_model::load::GenerationDefaults;
 
@@ -36,6 +37,9 @@ pub struct ServerConfig {
     pub cors_origins: Vec<String>,
     /// Timeouts and the connection cap (listen.rs).
     pub limits: Limits,
+    /// Requests parsed, templated and tokenized at once, on the blocking pool (never on the async
+    /// workers, which must keep answering /health and streaming).
+    pub prepare_threads: usize,
 }
 
 impl Default for ServerConfig {
@@ -50,6 +54,7 @@ impl Default for ServerConfig {
             allowed_hosts: crate::guard::allowed_hosts_for("127.0.0.1"),
             cors_origins: Vec::new(),
             limits: Limits::default(),
+            prepare_threads: std::thread::available_parallelism().map_or(2, |n| n.get().clamp(1, 8)),
         }
     }
 }
@@ -73,6 +78,7 @@ pub struct AppState {
     /// Unix time the server started (the `created` of /v1/models).
     pub started: u64,
     runtime: OnceLock<Arc<Runtime>>,
+    prepare_permits: Arc<Semaphore>,
     ids: AtomicU64,
     id_hasher: RandomState,
 }
@@ -81,9 +87,10 @@ impl AppState {
     pub fn new(config: ServerConfig) -> Arc<AppState> {
         Arc::new(AppState {
             api_key: config.api_key.as_deref().map(ApiKey::new),
-            config,
             metrics: Metrics::default(),
             started: unix_now(),
+            prepare_permits: Arc::new(Semaphore::new(config.prepare_threads.max(1))),
+            config,
             runtime: OnceLock::new(),
             ids: AtomicU64::new(0),
             id_hasher: RandomState::new(),
@@ -117,6 +124,27 @@ impl AppState {
             self.random_u64(),
             self.random_u64() as u32
         )
+    }
+
+    /// Run request preparation (JSON, template, tokenizer: CPU work sized by the request) on the
+    /// blocking pool, at most `prepare_threads` at a time. A panic in it is a 500, not a crash.
+    pub async fn prepare<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let permit = Arc::clone(&self.prepare_permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| ApiError::internal("the server is shutting down"))?;
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            work()
+        })
+        .await
+        .unwrap_or_else(|e| {
+            tracing::error!("request preparation failed: {e}");
+            Err(ApiError::internal("preparing the request failed"))
+        })
     }
 
     pub fn render_metrics(&self) -> String {

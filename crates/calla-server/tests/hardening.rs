@@ -321,3 +321,123 @@ async fn http_layer_errors_have_json_bodies() {
     assert_eq!(r.status, 404);
     assert!(r.json()["error"]["message"].is_string());
 }
+
+/// The byte codec, slowly (a tokenizer on a huge prompt).
+struct SlowCodec(Duration);
+impl calla_server::TextCodec for SlowCodec {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        std::thread::sleep(self.0);
+        ByteCodec.encode(text)
+    }
+    fn decode(&self, ids: &[u32]) -> String {
+        ByteCodec.decode(ids)
+    }
+    fn token_text(&self, id: u32) -> String {
+        ByteCodec.token_text(id)
+    }
+    fn vocab_size(&self) -> usize {
+        257
+    }
+}
+
+/// /health answers within `within` while `busy` runs.
+async fn health_stays_up_during(addr: std::net::SocketAddr, busy: Vec<tokio::task::JoinHandle<Response>>) -> Vec<Response> {
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for _ in 0..3 {
+        let asked = Instant::now();
+        let health = tokio::time::timeout(Duration::from_secs(1), get(addr, "/health"))
+            .await
+            .expect("/health did not answer within 1 s while requests were being prepared");
+        assert_eq!(health.status, 200);
+        assert!(asked.elapsed() < Duration::from_millis(900));
+    }
+    let mut out = Vec::new();
+    for b in busy {
+        out.push(b.await.unwrap());
+    }
+    out
+}
+
+// One async worker: tokenizing on it would stop everything else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn tokenizing_does_not_stop_the_async_workers() {
+    let server = start(Options {
+        codec: Some(Arc::new(SlowCodec(Duration::from_millis(1500)))),
+        ..Options::default()
+    })
+    .await;
+    let addr = server.addr;
+    let busy = (0..2)
+        .map(|i| {
+            tokio::spawn(async move {
+                post(addr, "/v1/completions", &json!({"prompt": format!("p{i}"), "max_tokens": 1})).await
+            })
+        })
+        .collect();
+    for r in health_stays_up_during(addr, busy).await {
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_over_the_byte_limit_are_refused_before_tokenizing() {
+    let server = start(Options {
+        // Would take 1000 s to tokenize if it were tried.
+        codec: Some(Arc::new(SlowCodec(Duration::from_secs(1000)))),
+        config: ServerConfig {
+            served_model_name: "test-model".into(),
+            max_prompt_bytes: 1 << 20,
+            ..ServerConfig::default()
+        },
+        ..Options::default()
+    })
+    .await;
+    let huge = "x".repeat(3 << 20);
+    let started = Instant::now();
+    let r = post(server.addr, "/v1/completions", &json!({"prompt": huge})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    let r = post(server.addr, CHAT, &json!({"messages": user(&huge)})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "messages");
+    let split: Vec<Json> = (0..4)
+        .map(|_| json!({"role": "user", "content": "y".repeat(300 << 10)}))
+        .collect();
+    let r = post(server.addr, CHAT, &json!({"messages": split})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_runaway_template_is_stopped_and_the_server_keeps_serving() {
+    let template = calla_chat::ChatTemplate::new(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}".into(),
+        Default::default(),
+    )
+    .unwrap();
+    let server = start(Options {
+        template: Some(template),
+        ..Options::default()
+    })
+    .await;
+    let addr = server.addr;
+    let busy = vec![tokio::spawn(async move { post(addr, CHAT, &json!({"messages": user("hi")})).await })];
+    let replies = health_stays_up_during(addr, busy).await;
+    assert_eq!(replies[0].status, 400, "{}", replies[0].body);
+    assert!(replies[0].json()["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("budget")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_chat_template_is_a_400() {
+    let template = calla_chat::ChatTemplate::new(String::new(), Default::default()).unwrap();
+    let server = start(Options {
+        template: Some(template),
+        ..Options::default()
+    })
+    .await;
+    let r = post(server.addr, CHAT, &json!({"messages": user("hi")})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "messages");
+}

@@ -196,6 +196,10 @@ pub struct Options {
     pub max_context: usize,
     pub prefix_cache_bytes: usize,
     pub ready: bool,
+    /// Default: the byte codec.
+    pub codec: Option<Arc<dyn TextCodec>>,
+    /// Default: the Qwen3.6 template.
+    pub template: Option<ChatTemplate>,
 }
 
 impl Default for Options {
@@ -210,6 +214,8 @@ impl Default for Options {
             max_context: 4096,
             prefix_cache_bytes: 1 << 20,
             ready: true,
+            codec: None,
+            template: None,
         }
     }
 }
@@ -260,8 +266,8 @@ pub async fn start(opts: Options) -> TestServer {
     );
     let runtime = Runtime {
         scheduler,
-        codec: Arc::new(ByteCodec),
-        template: Some(qwen_template()),
+        codec: opts.codec.unwrap_or_else(|| Arc::new(ByteCodec)),
+        template: Some(opts.template.unwrap_or_else(qwen_template)),
         defaults: GenerationDefaults {
             temperature: Some(0.0),
             ..Default::default()
