@@ -9,8 +9,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
+use calla_chat::template::DEFAULT_RENDER_FUEL;
 use calla_model::load::{load_model, LoadOptions, Quant};
-use calla_server::{start_runtime, AppState, RuntimeOptions, ServerConfig};
+use calla_server::{
+    load_in_background, load_outcome, start_runtime, AppState, RuntimeOptions, ServerConfig,
+};
 
 use crate::device::{open_backend, CudaFlags, Device};
 
@@ -107,39 +110,36 @@ pub fn run(args: Args) -> Result<()> {
             tracing::warn!("listening on {addr} without --api-key: anyone who can reach it can use it");
         }
 
-        // Load in the background; a load failure stops the server.
-        let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<anyhow::Error>();
-        let loader_state = Arc::clone(&state);
+        // Load in the background; a load failure (error or panic) stops the server, non-zero.
         let options = RuntimeOptions {
             max_queue: args.max_queue,
             max_context: args.max_context,
             prefix_cache_bytes: args.prefix_cache_mb << 20,
         };
+        let max_prompt_bytes = state.config.max_prompt_bytes;
         let (device, quant, cuda) = (args.device, args.quant, args.cuda);
-        tokio::task::spawn_blocking(move || {
-            match load(&dir, device, quant, &cuda, &options) {
-                Ok(runtime) => {
-                    tracing::info!(
-                        "ready: {} on {}, context {} tokens",
-                        dir.display(),
-                        runtime.scheduler.backend(),
-                        runtime.max_context
-                    );
-                    loader_state.set_ready(runtime);
-                }
-                Err(e) => {
-                    let _ = failed_tx.send(e);
-                }
+        let loaded = load_in_background(Arc::clone(&state), move || {
+            let mut runtime = load(&dir, device, quant, &cuda, &options)?;
+            if let Some(template) = &mut runtime.template {
+                // A render writes at most what a prompt may hold.
+                template.set_limits(DEFAULT_RENDER_FUEL, max_prompt_bytes);
             }
+            tracing::info!(
+                "ready: {} on {}, context {} tokens",
+                dir.display(),
+                runtime.scheduler.backend(),
+                runtime.max_context
+            );
+            Ok(runtime)
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(calla_server::serve(listener, state, async move {
             let _ = stop_rx.await;
         }));
         let outcome = tokio::select! {
-            failure = failed_rx => match failure {
-                Ok(e) => Err(e.context("loading the model")),
-                Err(_) => {
+            report = loaded => match load_outcome(report) {
+                Err(e) => Err(e.context("loading the model")),
+                Ok(()) => {
                     // Loaded: serve until a signal.
                     shutdown_signal().await;
                     tracing::info!("shutting down");

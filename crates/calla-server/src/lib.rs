@@ -28,6 +28,6 @@ pub mod state;
 pub use codec::{IncrementalText, TextCodec};
 pub use errors::ApiError;
 pub use listen::{serve, Limits};
-pub use load::{start_runtime, RuntimeOptions};
+pub use load::{load_in_background, load_outcome, start_runtime, RuntimeOptions};
 pub use routes::router;
 pub use state::{AppState, Runtime, ServerConfig};

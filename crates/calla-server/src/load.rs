@@ -2,17 +2,17 @@
 //! the engine thread.
 
 use std::path::Path;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use anyhow::Context;
-use calla_chat::template::DEFAULT_RENDER_FUEL;
 use calla_chat::{ChatTemplate, TemplateError};
 use calla_engine::scheduler::{Scheduler, SchedulerConfig};
 use calla_engine::Backend;
 use calla_model::load::GenerationDefaults;
 use calla_model::tokenizer::Tokenizer;
 
-use crate::state::{Runtime, ServerConfig};
+use crate::state::{AppState, Runtime};
 
 #[derive(Debug, Clone)]
 pub struct RuntimeOptions {
@@ -22,8 +22,6 @@ pub struct RuntimeOptions {
     pub max_context: Option<usize>,
     /// Memory for the prefix cache's saved states (0 disables it).
     pub prefix_cache_bytes: usize,
-    /// Most bytes one chat-template render may write (set it to the server's max_prompt_bytes).
-    pub max_prompt_bytes: usize,
 }
 
 impl Default for RuntimeOptions {
@@ -32,7 +30,6 @@ impl Default for RuntimeOptions {
             max_queue: 64,
             max_context: None,
             prefix_cache_bytes: 2 << 30,
-            max_prompt_bytes: ServerConfig::default().max_prompt_bytes,
         }
     }
 }
@@ -46,10 +43,7 @@ pub fn start_runtime(
 ) -> anyhow::Result<Runtime> {
     let tokenizer = Tokenizer::from_dir(dir)?;
     let template = match ChatTemplate::from_dir(dir) {
-        Ok(mut template) => {
-            template.set_limits(DEFAULT_RENDER_FUEL, opts.max_prompt_bytes);
-            Some(template)
-        }
+        Ok(template) => Some(template),
         Err(TemplateError::Missing(_)) => {
             tracing::warn!(
                 "{}: no chat template; only /v1/completions will work",
@@ -79,4 +73,47 @@ pub fn start_runtime(
         defaults,
         max_context,
     })
+}
+
+/// Run `load` on a blocking thread and make `state` ready with its runtime. The receiver gets Ok
+/// once the server is ready, or the loader's error; a panic in the loader is an error too (it used
+/// to drop the channel, which read as success and left a server answering 503 for ever).
+pub fn load_in_background(
+    state: Arc<AppState>,
+    load: impl FnOnce() -> anyhow::Result<Runtime> + Send + 'static,
+) -> tokio::sync::oneshot::Receiver<anyhow::Result<()>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::task::spawn_blocking(move || {
+        let outcome = match catch_unwind(AssertUnwindSafe(load)) {
+            Ok(Ok(runtime)) => {
+                state.set_ready(runtime);
+                Ok(())
+            }
+            Ok(Err(e)) => Err(e),
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "no message".into());
+                Err(anyhow::anyhow!("the loader panicked: {message}"))
+            }
+        };
+        if let Err(e) = &outcome {
+            tracing::error!("loading the model failed: {e:#}");
+        }
+        let _ = tx.send(outcome);
+    });
+    rx
+}
+
+/// What the server does with [`load_in_background`]'s report: a report that never comes (the
+/// loading thread vanished) is a failure, not success.
+pub fn load_outcome(
+    report: Result<anyhow::Result<()>, tokio::sync::oneshot::error::RecvError>,
+) -> anyhow::Result<()> {
+    match report {
+        Ok(outcome) => outcome,
+        Err(_) => Err(anyhow::anyhow!("the model loader stopped without a result")),
+    }
 }

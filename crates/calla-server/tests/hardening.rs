@@ -441,3 +441,21 @@ async fn an_empty_chat_template_is_a_400() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.json()["error"]["param"], "messages");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loader_panic_is_a_load_failure_not_success() {
+    let state = AppState::new(ServerConfig::default());
+    let report = calla_server::load_in_background(Arc::clone(&state), || {
+        panic!("blob range out of bounds")
+    })
+    .await;
+    let err = calla_server::load_outcome(report).unwrap_err();
+    assert!(err.to_string().contains("panicked: blob range out of bounds"), "{err}");
+    assert!(!state.is_ready());
+    let report = calla_server::load_in_background(Arc::clone(&state), || {
+        anyhow::bail!("config.json: broken")
+    })
+    .await;
+    assert!(calla_server::load_outcome(report).is_err());
+    assert!(!state.is_ready());
+}
