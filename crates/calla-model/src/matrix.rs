@@ -25,7 +25,7 @@ impl Blob {
     /// A view of `owner[start..start + len]`. Panics if out of range (callers check sizes first).
     pub fn from_owner(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, start: usize, len: usize) -> Self {
         assert!(
-            start + len <= (*owner).as_ref().len(),
+            start.checked_add(len).is_some_and(|end| end <= (*owner).as_ref().len()),
             "blob range out of bounds"
         );
         Blob { owner, start, len }
@@ -54,7 +54,10 @@ impl Blob {
     }
     /// A sub-range of this blob sharing the same owner.
     pub fn slice(&self, start: usize, len: usize) -> Blob {
-        assert!(start + len <= self.len, "blob slice out of bounds");
+        assert!(
+            start.checked_add(len).is_some_and(|end| end <= self.len),
+            "blob slice out of bounds"
+        );
         Blob {
             owner: self.owner.clone(),
             start: self.start + start,

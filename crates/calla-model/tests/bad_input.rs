@@ -512,3 +512,95 @@ fn no_language_model_tensors() {
     let (_, msg) = load_err(dir.path());
     assert_mentions(&msg, &["no language-model tensors"]);
 }
+
+/// Rewrite the header of `path` (entries in order, duplicates allowed); the data bytes stay.
+fn rewrite_header(path: &Path, edit: impl FnOnce(&mut Vec<(String, serde_json::Value)>)) {
+    let bytes = std::fs::read(path).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let mut entries: Vec<(String, serde_json::Value)> = header.into_iter().collect();
+    edit(&mut entries);
+    let text = format!(
+        "{{{}}}",
+        entries
+            .iter()
+            .map(|(k, v)| format!("{}:{}", serde_json::json!(k), v))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(&bytes[8 + header_len..]);
+    std::fs::write(path, out).unwrap();
+}
+
+fn offsets(v: &serde_json::Value) -> (u64, u64) {
+    let o = v["data_offsets"].as_array().unwrap();
+    (o[0].as_u64().unwrap(), o[1].as_u64().unwrap())
+}
+
+/// Offsets near 2^64 (they used to wrap and panic in `Blob::bytes`, exit 101).
+#[test]
+fn offsets_that_wrap_past_2_64_are_an_error() {
+    let (_, config, tensors) = base();
+    let dir = write(&config, &tensors);
+    let path = dir.path().join("model.safetensors");
+    let mut victim = String::new();
+    rewrite_header(&path, |entries| {
+        let (name, value) = entries.iter_mut().find(|(n, _)| n != "__metadata__").unwrap();
+        victim = name.clone();
+        let (begin, end) = offsets(value);
+        let new_begin = u64::MAX - (end - begin) - 7;
+        value["data_offsets"] = serde_json::json!([new_begin, new_begin + (end - begin)]);
+    });
+    let (e, msg) = load_err(dir.path());
+    assert!(
+        matches!(e, LoadError::Corrupt { .. } | LoadError::Truncated { .. }),
+        "{e:?}"
+    );
+    assert_mentions(&msg, &["model.safetensors", &victim]);
+}
+
+#[test]
+fn duplicate_tensor_names_in_one_header_are_an_error() {
+    let (_, config, tensors) = base();
+    let dir = write(&config, &tensors);
+    let path = dir.path().join("model.safetensors");
+    let mut twice = String::new();
+    rewrite_header(&path, |entries| {
+        let entry = entries.iter().find(|(n, _)| n != "__metadata__").unwrap().clone();
+        twice = entry.0.clone();
+        entries.push(entry);
+    });
+    let (e, msg) = load_err(dir.path());
+    assert!(matches!(e, LoadError::Corrupt { .. }), "{e:?}");
+    assert_mentions(&msg, &[&twice, "twice"]);
+}
+
+#[test]
+fn overlapping_tensors_are_an_error() {
+    let (_, config, tensors) = base();
+    let dir = write(&config, &tensors);
+    let path = dir.path().join("model.safetensors");
+    rewrite_header(&path, |entries| {
+        // Two tensors of one byte length: point the second at the first one's bytes.
+        let real: Vec<usize> = (0..entries.len())
+            .filter(|&i| entries[i].0 != "__metadata__")
+            .collect();
+        let len = |i: usize| {
+            let (b, e) = offsets(&entries[i].1);
+            e - b
+        };
+        let (a, b) = real
+            .iter()
+            .flat_map(|&a| real.iter().map(move |&b| (a, b)))
+            .find(|&(a, b)| a != b && len(a) == len(b) && len(a) > 0)
+            .expect("two tensors of one size");
+        let first = entries[a].1["data_offsets"].clone();
+        entries[b].1["data_offsets"] = first;
+    });
+    let (e, msg) = load_err(dir.path());
+    assert!(matches!(e, LoadError::Corrupt { .. }), "{e:?}");
+    assert_mentions(&msg, &["overlap"]);
+}

@@ -312,6 +312,29 @@ fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>), Lo
     Ok((files, map))
 }
 
+/// A safetensors header's entries in file order, duplicates kept.
+struct HeaderEntries(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for HeaderEntries {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = HeaderEntries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<HeaderEntries, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry::<String, serde_json::Value>()? {
+                    entries.push(entry);
+                }
+                Ok(HeaderEntries(entries))
+            }
+        }
+        d.deserialize_map(Visitor)
+    }
+}
+
 /// Parse and check a safetensors header against the file's length.
 fn parse_header(
     path: &Path,
@@ -343,9 +366,17 @@ fn parse_header(
             map.len()
         )));
     }
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&map[HEADER_LEN_BYTES..header_end])
-            .map_err(|e| corrupt(format!("header is not a JSON object: {e}")))?;
+    // Kept as a list: a JSON object read into a map keeps only the last of two equal keys, which
+    // would let a file hold two tensors of one name silently.
+    let header: HeaderEntries = serde_json::from_slice(&map[HEADER_LEN_BYTES..header_end])
+        .map_err(|e| corrupt(format!("header is not a JSON object: {e}")))?;
+    let header = header.0;
+    let mut seen = BTreeSet::new();
+    for (name, _) in &header {
+        if !seen.insert(name.as_str()) {
+            return Err(corrupt(format!("tensor `{name}` appears twice in the header")));
+        }
+    }
     let mut entries = Vec::with_capacity(header.len());
     for (name, value) in header {
         if name == "__metadata__" {
@@ -379,16 +410,40 @@ fn parse_header(
                 expected_bytes.map_or("an unrepresentable number of".to_string(), |b| b.to_string())
             )));
         }
+        // Offsets come from the file: every sum is checked (a wrap past 2^64 used to panic later).
+        let start = header_end.checked_add(begin);
+        let stop = start.and_then(|s| s.checked_add(end - begin));
+        let (Some(start), Some(_)) = (start, stop) else {
+            return Err(corrupt(format!(
+                "tensor `{name}`: data_offsets [{begin}, {end}) overflow"
+            )));
+        };
         entries.push((
             name,
             TensorEntry {
                 file,
                 dtype: info.dtype,
                 shape: info.shape,
-                start: header_end + begin,
+                start,
                 len: end - begin,
             },
         ));
+    }
+    // Two tensors must not share bytes (a crafted header could alias one tensor's data as another).
+    let mut by_start: Vec<&(String, TensorEntry)> =
+        entries.iter().filter(|(_, e)| e.len > 0).collect();
+    by_start.sort_by_key(|(_, e)| e.start);
+    for pair in by_start.windows(2) {
+        let ((a, ea), (b, eb)) = (pair[0], pair[1]);
+        if ea.start + ea.len > eb.start {
+            return Err(corrupt(format!(
+                "tensors `{a}` and `{b}` overlap (bytes [{}, {}) and [{}, {}))",
+                ea.start - header_end,
+                ea.start + ea.len - header_end,
+                eb.start - header_end,
+                eb.start + eb.len - header_end
+            )));
+        }
     }
     // Truncation: name the first tensor (in file order) that runs past the end.
     let needed = entries
