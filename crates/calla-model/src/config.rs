@@ -373,9 +373,18 @@ impl ModelConfig {
         let t = &self.text;
         let d = self.defaults();
         let f = |name: &str| self.text_field(name);
+        // Every dimension is bounded before anything is sized by it: a value far past any real
+        // model (`num_hidden_layers: 1000000000`) is an error, not a 1.4 TB allocation.
         let positive = |name: &str, value: usize| -> Result<usize, ConfigError> {
+            let max = limits::max_of(name);
             if value == 0 {
                 Err(config_error(f(name), 0, "must be positive"))
+            } else if value > max {
+                Err(config_error(
+                    f(name),
+                    value,
+                    format!("is implausibly large (calla accepts at most {max})"),
+                ))
             } else {
                 Ok(value)
             }
@@ -548,11 +557,35 @@ impl ModelConfig {
         };
 
         let rms_norm_eps = t.rms_norm_eps.unwrap_or(1e-6);
-        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
+        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0 && rms_norm_eps <= limits::MAX_RMS_NORM_EPS) {
             return Err(config_error(
                 f("rms_norm_eps"),
-                rms_norm_eps,
-                "must be positive",
+                format!("{rms_norm_eps:?}"),
+                format!("must be positive and at most {}", limits::MAX_RMS_NORM_EPS),
+            ));
+        }
+        if let FeedForwardSpec::Moe { shared_intermediate, .. } = &feed_forward {
+            if *shared_intermediate > limits::max_of("shared_expert_intermediate_size") {
+                return Err(config_error(
+                    f("shared_expert_intermediate_size"),
+                    shared_intermediate,
+                    "is implausibly large",
+                ));
+            }
+        }
+        let max_position_embeddings = t.max_position_embeddings.unwrap_or(32768);
+        if !(2..=limits::MAX_POSITIONS).contains(&max_position_embeddings) {
+            return Err(config_error(
+                f("max_position_embeddings"),
+                max_position_embeddings,
+                format!("must be between 2 and {}", limits::MAX_POSITIONS),
+            ));
+        }
+        if !(rope_theta <= limits::MAX_ROPE_THETA) {
+            return Err(config_error(
+                f("rope_parameters.rope_theta"),
+                rope_theta,
+                "is implausibly large",
             ));
         }
         let eos_token_ids = self.eos_token_ids();
@@ -583,9 +616,37 @@ impl ModelConfig {
             linear_conv_kernel_dim,
             feed_forward,
             tie_word_embeddings: self.tie_word_embeddings(),
-            max_position_embeddings: t.max_position_embeddings.unwrap_or(32768),
+            max_position_embeddings,
             eos_token_ids,
         })
+    }
+}
+
+/// Upper bounds on config values: far above every model of the family (Qwen3.5-397B has 60 layers,
+/// hidden 4096, 512 experts, 262,144 positions), far below what would exhaust memory.
+pub mod limits {
+    pub const MAX_LAYERS: usize = 1024;
+    pub const MAX_POSITIONS: usize = 1 << 24;
+    pub const MAX_RMS_NORM_EPS: f64 = 0.1;
+    pub const MAX_ROPE_THETA: f64 = 1e12;
+
+    /// The most a positive integer field may be.
+    pub fn max_of(field: &str) -> usize {
+        match field {
+            "num_hidden_layers" => MAX_LAYERS,
+            "vocab_size" => 1 << 22,
+            "hidden_size" => 1 << 16,
+            "num_attention_heads" | "num_key_value_heads" => 1024,
+            "linear_num_key_heads" | "linear_num_value_heads" => 1024,
+            "head_dim" | "linear_key_head_dim" | "linear_value_head_dim" => 4096,
+            "linear_conv_kernel_dim" => 64,
+            "num_experts" => 4096,
+            "num_experts_per_tok" => 256,
+            "intermediate_size" | "moe_intermediate_size" | "shared_expert_intermediate_size" => {
+                1 << 20
+            }
+            _ => 1 << 24,
+        }
     }
 }
 

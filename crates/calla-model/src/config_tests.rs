@@ -319,3 +319,28 @@ fn rejects_zero_sizes() {
     v["text_config"]["hidden_size"] = json!(0);
     expect_error(&v, "text_config.hidden_size", "0");
 }
+
+/// Absurd sizes are refused before anything is allocated by them (issue 33 defect 7, 11).
+#[test]
+fn rejects_absurd_sizes_before_allocating() {
+    for (key, value, shown) in [
+        ("num_hidden_layers", json!(1_000_000_000u64), "1000000000"),
+        ("hidden_size", json!(1u64 << 40), "1099511627776"),
+        ("vocab_size", json!(1u64 << 40), "1099511627776"),
+        ("num_experts", json!(1_000_000), "1000000"),
+        ("max_position_embeddings", json!(0), "0"),
+        ("max_position_embeddings", json!(i64::MAX), "9223372036854775807"),
+        ("rms_norm_eps", json!(1e308), "1e308"),
+    ] {
+        let mut v = qwen36_wrapper();
+        v["text_config"][key] = value;
+        if key == "num_hidden_layers" {
+            v["text_config"].as_object_mut().unwrap().remove("layer_types");
+        }
+        let started = std::time::Instant::now();
+        let err = spec_of(&v).expect_err(key);
+        assert_eq!(err.field, format!("text_config.{key}"), "{err}");
+        assert_eq!(err.value, shown, "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(1), "{key}");
+    }
+}
