@@ -53,6 +53,16 @@ pub fn start_runtime(
         }
         Err(e) => return Err(e).context("loading the chat template"),
     };
+    // An id the tokenizer can produce must have an embedding row: checked here, not found as a 500
+    // (or an out-of-range read) on the first prompt that uses it.
+    let model_vocab = backend.spec().vocab_size;
+    anyhow::ensure!(
+        tokenizer.vocab_size() <= model_vocab,
+        "{}: the tokenizer has {} tokens, more than the model's vocab_size {model_vocab} \
+         (a tokenizer from another model?)",
+        dir.display(),
+        tokenizer.vocab_size()
+    );
     let model_context = backend.spec().max_position_embeddings;
     let max_context = opts
         .max_context

@@ -459,3 +459,18 @@ async fn a_loader_panic_is_a_load_failure_not_success() {
     assert!(calla_server::load_outcome(report).is_err());
     assert!(!state.is_ready());
 }
+
+#[test]
+fn a_tokenizer_larger_than_the_vocabulary_fails_at_start() {
+    // The fixture's tokenizer has 512 tokens; the scripted model 257.
+    let dir = repo_root().join("tests/fixtures/models/qwen35moe-causal-perexpert");
+    let err = calla_server::start_runtime(
+        &dir,
+        Box::new(script_backend(64)),
+        Default::default(),
+        &calla_server::RuntimeOptions::default(),
+    )
+    .err()
+    .expect("a tokenizer larger than the vocabulary must not load");
+    assert!(err.to_string().contains("vocab_size 257"), "{err}");
+}

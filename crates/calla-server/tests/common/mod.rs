@@ -189,6 +189,15 @@ impl Backend for ScriptBackend {
     }
 }
 
+/// The scripted backend on its own (vocab 257), for tests that build a runtime themselves.
+pub fn script_backend(max_context: usize) -> ScriptBackend {
+    ScriptBackend {
+        spec: byte_spec(max_context),
+        steps: Arc::new(AtomicUsize::new(0)),
+        step_delay: Duration::ZERO,
+    }
+}
+
 pub struct Options {
     pub config: ServerConfig,
     pub step_delay: Duration,
