@@ -133,7 +133,20 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut response = (self.status, Json(self.body())).into_response();
+        // Busy (429) and loading / overloaded (503) are worth retrying: say when.
+        let retry_after = match self.status {
+            StatusCode::TOO_MANY_REQUESTS => Some("1"),
+            StatusCode::SERVICE_UNAVAILABLE => Some("5"),
+            _ => None,
+        };
+        if let Some(seconds) = retry_after {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static(seconds),
+            );
+        }
+        response
     }
 }
 

@@ -205,7 +205,7 @@ pub fn submit(
     arrival: Instant,
 ) -> Result<Events, ApiError> {
     let (tx, rx) = unbounded_channel();
-    let jobs = work
+    let jobs: Vec<Job> = work
         .into_iter()
         .map(|w| {
             let mut sampling = params.sampling.clone();
@@ -234,10 +234,22 @@ pub fn submit(
             }
         })
         .collect();
-    runtime
-        .scheduler
-        .submit(jobs)
-        .map_err(|full| ApiError::queue_full(full.capacity))?;
+    let count = jobs.len();
+    runtime.scheduler.submit(jobs).map_err(|full| {
+        if count > full.capacity {
+            // Not "retry later": this request can never fit, however idle the server is.
+            ApiError::bad_param(
+                "n",
+                format!(
+                    "This request asks for {count} generations (prompts × n), more than the \
+                     {} the server's queue holds (--max-queue).",
+                    full.capacity
+                ),
+            )
+        } else {
+            ApiError::queue_full(full.capacity)
+        }
+    })?;
     Ok(rx)
 }
 

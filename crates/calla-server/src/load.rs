@@ -41,6 +41,10 @@ pub fn start_runtime(
     defaults: GenerationDefaults,
     opts: &RuntimeOptions,
 ) -> anyhow::Result<Runtime> {
+    anyhow::ensure!(
+        opts.max_queue >= 1,
+        "--max-queue must be at least 1 (0 would refuse every request)"
+    );
     let tokenizer = Tokenizer::from_dir(dir)?;
     let template = match ChatTemplate::from_dir(dir) {
         Ok(template) => Some(template),

@@ -474,3 +474,42 @@ fn a_tokenizer_larger_than_the_vocabulary_fails_at_start() {
     .expect("a tokenizer larger than the vocabulary must not load");
     assert!(err.to_string().contains("vocab_size 257"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_can_never_fit_the_queue_is_a_400_not_a_429() {
+    let server = start(Options {
+        max_queue: 2,
+        ..Options::default()
+    })
+    .await;
+    let r = post(server.addr, CHAT, &json!({"messages": user("x"), "n": 3, "max_tokens": 1})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "n");
+    let r = post(
+        server.addr,
+        "/v1/completions",
+        &json!({"prompt": ["a", "b"], "n": 2, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    // What fits is served.
+    let r = post(server.addr, CHAT, &json!({"messages": user("x"), "n": 2, "max_tokens": 1})).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
+fn a_queue_of_zero_fails_at_start() {
+    let dir = repo_root().join("tests/fixtures/chat");
+    let err = calla_server::start_runtime(
+        &dir,
+        Box::new(script_backend(64)),
+        Default::default(),
+        &calla_server::RuntimeOptions {
+            max_queue: 0,
+            ..Default::default()
+        },
+    )
+    .err()
+    .expect("--max-queue 0 must not start");
+    assert!(err.to_string().contains("--max-queue"), "{err}");
+}
