@@ -306,6 +306,10 @@ fn engine_loop(mut backend: Box<dyn Backend>, config: SchedulerConfig, shared: A
     }
 }
 
+/// The most prompt tokens one prefill step runs: cancellation is checked between steps. Equal to
+/// the CUDA backend's default `prompt_chunk`, so its batched chunks are the ones it ran before.
+pub const PREFILL_CHUNK: usize = 8192;
+
 fn run_job(
     backend: &mut dyn Backend,
     cache: &mut PrefixCache,
@@ -359,8 +363,18 @@ fn run_job(
             step: 0,
             top_logprobs: 0,
         };
-        backend.step(seq.as_mut(), &prompt[done..at], &sel)?;
-        done = at;
+        // At most PREFILL_CHUNK tokens per step, ending on multiples of it, so that a client that
+        // left during a long prompt stops it within one chunk.
+        while done < at {
+            if cancelled(job) {
+                let mut report = cancelled_report(job, queued, cached_tokens);
+                report.prompt_tokens = prompt_len;
+                return Ok(report);
+            }
+            let end = at.min((done / PREFILL_CHUNK + 1) * PREFILL_CHUNK);
+            backend.step(seq.as_mut(), &prompt[done..end], &sel)?;
+            done = end;
+        }
         if cache.budget_bytes() > 0 {
             cache.insert(prompt[..at].to_vec(), seq.snapshot());
         }

@@ -474,3 +474,32 @@ fn dropping_the_scheduler_cancels_and_joins() {
         .collect();
     assert_eq!(finishes, vec![JobFinish::Cancelled, JobFinish::Cancelled]);
 }
+
+/// A client that leaves during a long prompt stops it within one prefill chunk (issue 33 defect 9).
+#[test]
+fn cancellation_stops_a_long_prefill_between_chunks() {
+    let (mut b, forwarded) = backend();
+    b.step_delay = Duration::from_millis(50);
+    let scheduler = Scheduler::start(
+        Box::new(b),
+        SchedulerConfig {
+            max_context: 40 * PREFILL_CHUNK,
+            ..config(0)
+        },
+    );
+    let (tx, rx) = mpsc::channel();
+    let prompt: Vec<u32> = (0..20 * PREFILL_CHUNK as u32).map(|i| i % (VOCAB - 1)).collect();
+    let (j, cancel) = job(0, prompt.clone(), 10, &tx);
+    scheduler.submit(vec![j]).unwrap();
+    let report = loop {
+        match rx.recv_timeout(Duration::from_secs(10)).unwrap().1 {
+            Event::Start(_) => cancel.store(true, Ordering::SeqCst),
+            Event::Token(_) => panic!("a token after the cancellation"),
+            Event::Finish(r) => break r.unwrap(),
+        }
+    };
+    assert_eq!(report.finish, JobFinish::Cancelled);
+    assert_eq!(report.prompt_tokens, prompt.len());
+    let ran = forwarded.load(Ordering::SeqCst);
+    assert!(ran <= 2 * PREFILL_CHUNK, "{ran} prompt tokens ran after the cancellation");
+}
