@@ -18,6 +18,7 @@ use crate::spec::ModelSpec;
 use crate::weights::assemble::{assemble, ExpertLayout};
 use crate::weights::names::CheckpointStyle;
 use crate::weights::stats::{weight_stats, WeightStats};
+pub use crate::weights::store::{FileStamp, Residency};
 use crate::weights::store::{dtype_name, TensorStore};
 use crate::weights::{FeedForwardWeights, MixerWeights, Weights};
 
@@ -127,10 +128,21 @@ pub struct LoadedModel {
     pub weights: Weights,
     pub report: LoadReport,
     pub generation: GenerationDefaults,
+    /// The mapped files as they were when mapped (empty when read into memory).
+    pub mapped: Vec<FileStamp>,
 }
 
 /// Read a JSON file (missing file, unreadable file and invalid JSON are distinct errors).
 fn read_json(path: &Path) -> Result<serde_json::Value, LoadError> {
+    // A FIFO or device under a checkpoint file's name would block the read for ever.
+    if let Ok(meta) = std::fs::metadata(path) {
+        if !meta.is_file() {
+            return Err(LoadError::Corrupt {
+                path: path.to_path_buf(),
+                detail: "not a regular file (a FIFO, device or directory)".into(),
+            });
+        }
+    }
     let text = std::fs::read_to_string(path).map_err(|e| LoadError::io(path, e))?;
     serde_json::from_str(&text).map_err(|source| LoadError::Json {
         path: path.to_path_buf(),
@@ -168,6 +180,15 @@ pub fn read_generation_defaults(dir: &Path) -> Result<GenerationDefaults, LoadEr
 }
 
 pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel, LoadError> {
+    load_model_with(dir, opts, Residency::Mapped)
+}
+
+/// [`load_model`], choosing how the weights' bytes are held (mapped, or read into memory).
+pub fn load_model_with(
+    dir: &Path,
+    opts: &LoadOptions,
+    residency: Residency,
+) -> Result<LoadedModel, LoadError> {
     let started = Instant::now();
     let config = read_config(dir)?;
     let mut spec = config.to_spec().map_err(|source| LoadError::Config {
@@ -191,7 +212,7 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel, LoadErr
         spec.eos_token_ids = ids;
     }
 
-    let store = TensorStore::open(dir)?;
+    let store = TensorStore::open_with(dir, residency)?;
     let (mut weights, info) = assemble(&store, &spec, config.quantization.as_ref())?;
     if let Some(quant) = opts.quant {
         convert_weights(&mut weights, &spec, quant);
@@ -222,7 +243,7 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel, LoadErr
             .iter()
             .map(|f| {
                 let name = f.path.file_name().map(|n| n.to_string_lossy().into_owned());
-                (name.unwrap_or_default(), f.map.len() as u64)
+                (name.unwrap_or_default(), (*f.map).as_ref().len() as u64)
             })
             .collect(),
         stored_dtypes,
@@ -239,6 +260,7 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel, LoadErr
         weights,
         report,
         generation,
+        mapped: store.files.iter().filter_map(|f| f.stamp.clone()).collect(),
     })
 }
 

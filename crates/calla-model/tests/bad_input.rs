@@ -604,3 +604,57 @@ fn overlapping_tensors_are_an_error() {
     assert!(matches!(e, LoadError::Corrupt { .. }), "{e:?}");
     assert_mentions(&msg, &["overlap"]);
 }
+
+/// A FIFO named model.safetensors used to block the loader for ever (issue 33 defect 12).
+#[cfg(unix)]
+#[test]
+fn a_fifo_in_place_of_the_weights_is_an_error_not_a_hang() {
+    let (_, config, tensors) = base();
+    let dir = write(&config, &tensors);
+    let path = dir.path().join("model.safetensors");
+    std::fs::remove_file(&path).unwrap();
+    let made = std::process::Command::new("mkfifo").arg(&path).status();
+    if !made.is_ok_and(|s| s.success()) {
+        eprintln!("mkfifo unavailable: skipped");
+        return;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dir_path = dir.path().to_path_buf();
+    std::thread::spawn(move || {
+        let _ = tx.send(load_model(&dir_path, &LoadOptions::default()).err().map(|e| e.to_string()));
+    });
+    let err = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the loader hung on a FIFO")
+        .expect("a FIFO must not load");
+    assert_mentions(&err, &["model.safetensors", "regular file"]);
+}
+
+/// --no-mmap: the weights are read into memory, so changing the file afterwards changes nothing;
+/// mapped, the change is noticed by the stamps.
+#[test]
+fn read_weights_do_not_follow_the_file_and_mapped_changes_are_noticed() {
+    use calla_model::load::{load_model_with, Residency};
+    let (_, config, tensors) = base();
+    let dir = write(&config, &tensors);
+    let path = dir.path().join("model.safetensors");
+    let read = load_model_with(dir.path(), &LoadOptions::default(), Residency::Read).unwrap();
+    assert!(read.mapped.is_empty());
+    let before = read.weights.embed_tokens.clone();
+    let mapped = load_model(dir.path(), &LoadOptions::default()).unwrap();
+    assert_eq!(mapped.mapped.len(), 1);
+    assert_eq!(mapped.mapped[0].changed(), None);
+    // Overwrite in place with zeros (same length), as `cp` over a file would change its bytes.
+    let len = std::fs::metadata(&path).unwrap().len() as usize;
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::write(&path, vec![0u8; len]).unwrap();
+    let change = mapped.mapped[0].changed().expect("the change is noticed");
+    eprintln!("change: {change}");
+    let bytes = |m: &calla_model::Matrix| match &m.data {
+        calla_model::matrix::MatrixData::Dense { data, .. } => data.bytes().to_vec(),
+        _ => unreachable!("f32 fixture"),
+    };
+    assert_eq!(bytes(&read.weights.embed_tokens), bytes(&before));
+    assert!(bytes(&before).iter().any(|&b| b != 0));
+    drop(mapped);
+}

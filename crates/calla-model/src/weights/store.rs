@@ -26,7 +26,63 @@ const MAX_HEADER_BYTES: usize = 100_000_000;
 
 pub struct MappedFile {
     pub path: PathBuf,
-    pub map: Arc<Mmap>,
+    /// The file's bytes: a memory map, or (with [`Residency::Read`]) a copy in memory.
+    pub map: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    /// Set when mapped: what the file looked like when it was mapped.
+    pub stamp: Option<FileStamp>,
+}
+
+/// How the weights' bytes are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Residency {
+    /// Memory-mapped (no copy, pages read on demand). A file truncated or overwritten while served
+    /// changes what the engine reads, or kills the process with SIGBUS: watch the stamps.
+    #[default]
+    Mapped,
+    /// Read into memory at load: later changes to the files do not matter (`--no-mmap`).
+    Read,
+}
+
+/// Length, modification time and inode of a file: enough to notice a `cp` over it, an in-place
+/// write or a truncation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileStamp {
+    pub path: PathBuf,
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+    inode: u64,
+}
+
+impl FileStamp {
+    pub fn of(path: &Path) -> std::io::Result<FileStamp> {
+        let meta = std::fs::metadata(path)?;
+        #[cfg(unix)]
+        let inode = std::os::unix::fs::MetadataExt::ino(&meta);
+        #[cfg(not(unix))]
+        let inode = 0;
+        Ok(FileStamp {
+            path: path.to_path_buf(),
+            len: meta.len(),
+            modified: meta.modified().ok(),
+            inode,
+        })
+    }
+
+    /// What changed since the stamp was taken (None: nothing).
+    pub fn changed(&self) -> Option<String> {
+        match FileStamp::of(&self.path) {
+            Err(e) => Some(format!("it cannot be read any more ({e})")),
+            Ok(now) if now.inode != self.inode => {
+                Some("it was replaced (another file now has its name)".into())
+            }
+            Ok(now) if now.len != self.len => Some(format!(
+                "its length changed from {} to {} bytes",
+                self.len, now.len
+            )),
+            Ok(now) if now.modified != self.modified => Some("it was written to".into()),
+            Ok(_) => None,
+        }
+    }
 }
 
 /// Where one tensor lives.
@@ -118,6 +174,11 @@ pub struct TensorStore {
 impl TensorStore {
     /// Map the safetensors files of a checkpoint directory.
     pub fn open(dir: &Path) -> Result<TensorStore, LoadError> {
+        TensorStore::open_with(dir, Residency::Mapped)
+    }
+
+    /// Map, or read into memory, the safetensors files of a checkpoint directory.
+    pub fn open_with(dir: &Path, residency: Residency) -> Result<TensorStore, LoadError> {
         let index_path = dir.join("model.safetensors.index.json");
         let single_path = dir.join("model.safetensors");
         let (file_names, index) = if index_path.is_file() {
@@ -152,9 +213,15 @@ impl TensorStore {
         };
         for name in &file_names {
             let path = dir.join(name);
-            let map = map_file(&path)?;
+            let (map, stamp): (Arc<dyn AsRef<[u8]> + Send + Sync>, _) = match residency {
+                Residency::Mapped => {
+                    let stamp = FileStamp::of(&path).map_err(|e| LoadError::io(&path, e))?;
+                    (Arc::new(map_file(&path)?), Some(stamp))
+                }
+                Residency::Read => (Arc::new(read_file(&path)?), None),
+            };
             let file_index = store.files.len();
-            for (tensor, entry) in parse_header(&path, &map, file_index)? {
+            for (tensor, entry) in parse_header(&path, (*map).as_ref(), file_index)? {
                 if let Some(previous) = store.tensors.get(&tensor) {
                     return Err(LoadError::Inconsistent {
                         path: path.clone(),
@@ -166,10 +233,7 @@ impl TensorStore {
                 }
                 store.tensors.insert(tensor, entry);
             }
-            store.files.push(MappedFile {
-                path,
-                map: Arc::new(map),
-            });
+            store.files.push(MappedFile { path, map, stamp });
         }
         if let Some(weight_map) = index {
             for (tensor, file) in &weight_map {
@@ -262,14 +326,37 @@ impl TensorStore {
 
     /// Bytes of all mapped files.
     pub fn total_file_bytes(&self) -> usize {
-        self.files.iter().map(|f| f.map.len()).sum()
+        self.files.iter().map(|f| (*f.map).as_ref().len()).sum()
     }
 }
 
+/// Open a checkpoint file for reading: a regular file only (a FIFO or device named
+/// model.safetensors would block, or never end).
+fn open_regular(path: &Path) -> Result<std::fs::File, LoadError> {
+    let meta = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?;
+    if !meta.is_file() {
+        return Err(LoadError::Corrupt {
+            path: path.to_path_buf(),
+            detail: "not a regular file (a FIFO, device or directory)".into(),
+        });
+    }
+    std::fs::File::open(path).map_err(|e| LoadError::io(path, e))
+}
+
+fn read_file(path: &Path) -> Result<Vec<u8>, LoadError> {
+    use std::io::Read;
+    let mut file = open_regular(path)?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)
+        .map_err(|e| LoadError::io(path, e))?;
+    Ok(bytes)
+}
+
 fn map_file(path: &Path) -> Result<Mmap, LoadError> {
-    let file = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
-    // SAFETY: the map is read-only; calla never writes checkpoint files, and a checkpoint modified
-    // by another process while it is being served is outside what any mmap-based loader can defend.
+    let file = open_regular(path)?;
+    // SAFETY: the map is read-only and calla never writes checkpoint files. A file changed by
+    // another process while mapped changes these bytes (or raises SIGBUS when truncated): the
+    // stamps let the server log it, and `Residency::Read` (`--no-mmap`) avoids it.
     unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))
 }
 
