@@ -424,28 +424,21 @@ __device__ __forceinline__ void attn_issue_tile(u16* stage, const u16* kc, const
     const u32 ks = smem_addr(stage), vs = ks + ATTN_TILE * kp * 2;
     // K and V stream once per step and, past ~16K positions, exceed L2: their lines go first, so the
     // partials, the activations and the next kernels' inputs stay (32K: step 2,052 → 2,026 µs,
-    // docs/performance.md, session 8). Lab: ATTN_KV_EVICT_NORMAL for plain cp.async.
-#if !defined(ATTN_KV_EVICT_NORMAL)
+    // docs/performance.md, session 8).
     const u64 policy = l2_evict_first();
-#endif
     for (int i = threadIdx.x; i < ATTN_TILE * cpr; i += ATTN_WARPS * 32) { // the bf16 kernels' 256 threads
         const int r = i / cpr, c = i - r * cpr; // a shift where Dh is a compile-time constant
         if (r == skip_row) continue;
         const bool live = r < n;
         const i64 src = (i64)(base + (live ? r : 0)) * Dh + c * 8;
         const u32 dst = (u32)(r * kp + c * 8) * 2;
-#if !defined(ATTN_KV_EVICT_NORMAL)
         cp_async16_policy(ks + dst, kc + src, live ? 16 : 0, policy);
         cp_async16_policy(vs + dst, vc + src, live ? 16 : 0, policy);
-#else
-        cp_async16(ks + dst, kc + src, live ? 16 : 0);
-        cp_async16(vs + dst, vc + src, live ? 16 : 0);
-#endif
     }
 }
 
 // attn_decode_bf16_bar: the splits' merge after a barrier among the splits of a kv head instead of
-// two ticketed levels (measured with LAB_STAMPS, the ticketed merge took ~11.7 µs of the kernel's
+// two ticketed levels (measured with per-warp clock stamps, the ticketed merge took ~11.7 µs of the kernel's
 // ~21.8 at 4K and ~19 µs at 32K: a fence and an atomic per level, then one block per group reading
 // 16 partials of G·Dh floats through L2, one warp per head). Here every live split writes its
 // partial (as the ticketed kernel does), all p.nsplit blocks of the kv head arrive at a monotonic
@@ -483,7 +476,6 @@ __device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, in
         wait_until_at_least(attn_bar_counter(p, kvh), attn_bar_arrive(p, kvh));
     }
     __syncthreads();
-    LAB_STAMP(5);
     const int total = G * Dh, per = div_small(total + nsp - 1, nsp);
     const int o0 = min(total, split * per), o1 = min(total, o0 + per);
     const float* pm = (const float*)p.part_m;
@@ -546,7 +538,6 @@ __device__ __forceinline__ void attn_barrier_merge(const AttnDecodeParams& p, in
             __syncthreads(); // part_s is reused by the next chunk or head
         }
     }
-    LAB_STAMP(6);
 }
 
 // DH, GG: the head dim and the q heads per kv head as compile-time constants (a specialised kernel,
@@ -562,8 +553,6 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
     // Rows this warp normalises: q heads warp, warp + 8 (< G); warp G % 8 also the k row (used
     // only by the block that holds p, loaded by every block: all loads leave at once).
     const bool k_warp = warp == G % ATTN_WARPS;
-    LAB_ON(blockIdx.y == 0); // lab (LAB_STAMPS): kv head 0's splits, per warp
-    LAB_STAMP(0);
     RopeRowIn q_in[2], k_in;
     float v_in[ATTN_MAX_DPL];
 #pragma unroll
@@ -620,7 +609,6 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         }
         cp_async_commit();
     }
-    LAB_STAMP(1);
 #pragma unroll
     for (int r = 0; r < 2; ++r)
         if (warp + ATTN_WARPS * r < G)
@@ -641,7 +629,6 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
             }
     }
     __syncthreads(); // q_s, k row
-    LAB_STAMP(2);
 
     // qᵀ as B fragments, split hi + lo: b0 = (d 16c + 2qd, +1; head 8nt + gq), b1 = d + 8.
     const int mt = warp & 1, kg = warp >> 1, nchunks = Dh / 16;
@@ -810,8 +797,6 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
         }
     }
     cp_async_wait<0>(); // only empty groups remain; nothing in flight at exit
-    LAB_AFTER(__float_as_uint(o[0][0][0]));
-    LAB_STAMP(3);
 
     // Partials: m, l from warp 0 (lane 4·gq holds head 8nt + gq); acc from the C fragments
     // (d 16·md + gq (+8), head 2qd (+1)).
@@ -840,7 +825,6 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
     }
 
     if (BARRIER) {
-        LAB_STAMP(4);
         attn_barrier_merge(p, G, Dh, kvh, split, nsp);
         return;
     }
@@ -848,18 +832,14 @@ __device__ __forceinline__ void attn_decode_bf16_body(const AttnDecodeParams& p)
     const int group = split / ATTN_GROUP, first = group * ATTN_GROUP;
     const int ngroups = (nsp + ATTN_GROUP - 1) / ATTN_GROUP;
     unsigned* tickets = (unsigned*)p.tickets + (i64)kvh * (1 + (p.nsplit + ATTN_GROUP - 1) / ATTN_GROUP);
-    LAB_STAMP(4);
     if (!arrive_last(tickets + 1 + group, min(ATTN_GROUP, nsp - first))) return;
-    LAB_STAMP(5);
     for (int h = warp; h < G; h += ATTN_WARPS)
         merge_partials(p, kvh * G + h, first, 1, min(ATTN_GROUP, nsp - first), ngroups == 1);
     __syncwarp();
-    LAB_STAMP(6);
     if (ngroups == 1) return;
     if (!arrive_last(tickets, ngroups)) return;
     for (int h = warp; h < G; h += ATTN_WARPS) merge_partials(p, kvh * G + h, 0, ATTN_GROUP, ngroups, true);
     __syncwarp();
-    LAB_STAMP(7);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) attn_decode_bf16(const AttnDecodeParams p) {
@@ -874,7 +854,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) attn_decode_bf16_bar(const 
 extern "C" __global__ void __launch_bounds__(256, 2) attn_decode_bf16_bar_dh256_g8(const AttnDecodeParams p) {
     attn_decode_bf16_body<true, 256, 8>(p);
 }
-LAB_STAMPS_COPY(attn_lab_stamps)
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(AttnDecodeParams) == 152, "AttnDecodeParams layout differs from its Rust twin");

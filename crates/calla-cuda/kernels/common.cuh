@@ -37,9 +37,9 @@ __device__ __forceinline__ float bf16_hi(u32 pair) { return __uint_as_float(pair
 // conversion instruction. The integer form (x + 0x7fff + lsb, NaN tested first) rounds every other
 // value to the same bits but cost ~6 instructions per value, which made the decode kernels' input
 // staging a third of some kernels' instructions (Nsight Compute, docs/performance.md "Session 16");
-// lab LAB_SOFT_BF16 keeps it (as do GPUs before sm_80, which lack the instruction).
+// GPUs before sm_80 lack the instruction and keep the integer form.
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
-#if defined(LAB_SOFT_BF16) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     u32 x = __float_as_uint(f);
     if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)0x7fc0;
     x += 0x7fffu + ((x >> 16) & 1u);
@@ -88,43 +88,6 @@ __device__ __forceinline__ float2 ld_nc_f2(const void* p) {
     asm volatile("ld.global.nc.v2.f32 {%0,%1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
     return v;
 }
-
-// ---------------------------------------------------------------- lab: where a kernel's time goes
-// CALLA_NVRTC_DEFINES=LAB_STAMPS: lane 0 of each warp stamps the SM clock at fixed points of the
-// decode dot products (see the LAB_STAMP calls), into this module's lab_stamp_buf
-// [block][warp][event]; `<module>_lab_stamps` kernels copy it out and `calla bench` reports the
-// intervals. LAB_AFTER(v) makes the next stamp wait for v (a load's arrival, a result).
-#if defined(LAB_STAMPS)
-#define LAB_EVENTS 8
-#define LAB_BLOCKS 512
-__device__ u64 lab_stamp_buf[LAB_BLOCKS * 8 * LAB_EVENTS];
-__shared__ int lab_on; // set by the kernels that stamp (LAB_ON): only their launches write stamps
-#define LAB_ON(cond) do { if (threadIdx.x == 0) lab_on = (cond); __syncthreads(); } while (0)
-__device__ __forceinline__ void lab_stamp(int event) {
-    const int b = blockIdx.x + blockIdx.y * gridDim.x; // 2-D grids (gate/up, attention) too
-    if (lab_on && (threadIdx.x & 31) == 0 && b < LAB_BLOCKS && threadIdx.x < 256) {
-        u64 c;
-#if defined(LAB_GLOBALTIMER) // ns on one clock for every SM: where blocks start and end relative to each other
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(c));
-#else
-        asm volatile("mov.u64 %0, %%clock64;" : "=l"(c));
-#endif
-        lab_stamp_buf[((i64)b * 8 + (threadIdx.x >> 5)) * LAB_EVENTS + event] = c;
-    }
-}
-#define LAB_STAMP(e) lab_stamp(e)
-#define LAB_AFTER(v) do { u32 lab_t_; asm volatile("mov.b32 %0, %1;" : "=r"(lab_t_) : "r"(__float_as_uint(__uint_as_float(v)))); } while (0)
-#define LAB_STAMPS_COPY(name) \
-    extern "C" __global__ void name(u64 dst) { \
-        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < LAB_BLOCKS * 8 * LAB_EVENTS; i += gridDim.x * blockDim.x) \
-            ((u64*)dst)[i] = lab_stamp_buf[i]; \
-    }
-#else
-#define LAB_ON(cond)
-#define LAB_STAMP(e)
-#define LAB_AFTER(v)
-#define LAB_STAMPS_COPY(name)
-#endif
 
 // ---------------------------------------------------------------- reductions
 __device__ __forceinline__ float warp_sum(float v) {
@@ -252,10 +215,7 @@ __host__ __device__ __forceinline__ int xpad_len(int n) { return n + (((n + 31) 
 // Weights are read once per step and never reused by the SM that reads them, so their lines are
 // not kept in L1 (no_allocate): measured +3% decode at 4K against plain ld.global.nc (329.7 → 339.9
 // tok/s, docs/performance.md "Session 3"); ld.global.cg (L2 only) measured no better than .nc.
-// Lab: CALLA_NVRTC_DEFINES=WEIGHT_LD=<ptx form> tries another form.
-#ifndef WEIGHT_LD
 #define WEIGHT_LD ld.global.nc.L1::no_allocate
-#endif
 #define WEIGHT_LD_STR2(x) #x
 #define WEIGHT_LD_STR(x) WEIGHT_LD_STR2(x)
 __device__ __forceinline__ uint4 ldg16(const void* p) {
@@ -274,9 +234,8 @@ __device__ __forceinline__ float2 ldg_f2(const void* p) {
     return v;
 }
 
-// Loads of activations through L2 only (ld.global.cg): inside a persistent kernel (decode_layer.cu)
-// another block may have rewritten the line since this SM last read it, and L1 is not coherent
-// between SMs; across kernel boundaries it makes no difference.
+// Loads of activations through L2 only (ld.global.cg): where another block of the same launch may
+// have rewritten the line since this SM last read it (L1 is not coherent between SMs).
 __device__ __forceinline__ float4 ldcg_f4(const float4* p) {
     float4 v;
     asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
@@ -455,9 +414,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 
 // Prefetch rows [row0, row0 + nrows) of m (codes and group parameters) with the block's threads.
 __device__ __forceinline__ void prefetch_rows(const MatrixRef& m, i64 row0, int nrows) {
-#if defined(LAB_NO_PREFETCH)
-    return;
-#endif
     const i64 code_bytes = (i64)nrows * m.row_bytes;
     const u8* data = (const u8*)m.data + row0 * m.row_bytes;
     for (i64 off = (i64)threadIdx.x * 128; off < code_bytes; off += (i64)blockDim.x * 128) prefetch_l2(data + off);
@@ -486,31 +442,17 @@ __device__ __forceinline__ void rows_dot(const RowPtr (&rows)[R], const float* x
             if (u < units) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-#if defined(LAB_NO_LOADS) // lab: codes made from the address, no weight traffic
-                    const u32 fake = (u32)(size_t)(rows[r].data + (i64)u * 16);
-                    w[k][r] = make_uint4(fake, fake * 3u, fake * 5u, fake * 7u);
-#else
                     w[k][r] = ldg16(rows[r].data + (i64)u * 16);
-#endif
                     if (F::AFFINE) sb[k][r] = row_group_params(rows[r], u / units_per_group);
                 }
             }
-        }
-        if (u0 == lane) { // lab: the first pass's first load has arrived
-            LAB_AFTER(w[0][0].x);
-            LAB_STAMP(2);
         }
 #pragma unroll
         for (int k = 0; k < U; ++k) {
             const int u = u0 + k * width;
             if (u < units) {
                 float q[R];
-#if defined(LAB_NO_COMPUTE) // lab: the loads stay live, the arithmetic is one op per unit
-#pragma unroll
-                for (int r = 0; r < R; ++r) q[r] = __uint_as_float((w[k][r].x ^ w[k][r].y ^ w[k][r].z ^ w[k][r].w) & 0x3fffffffu);
-#else
                 UnitDot<FMT, R>::run(w[k], x + xpad(u * F::W), q);
-#endif
                 if (FMT == FMT_Q4) { // UnitDot<Q4> returned Σ (16 + q)·x
 #pragma unroll
                     for (int r = 0; r < R; ++r) q[r] = fmaf(-Q4_OFFSET, usum[u], q[r]);
@@ -642,28 +584,7 @@ __device__ __forceinline__ void griddep_enter() {
     griddep_launch_dependents();
 }
 
-// ---------------------------------------------------------------- grid-wide barrier
-// For persistent kernels. `counter` counts arrivals forever (u64: never wraps): barrier k of a grid
-// of n blocks is passed once it reaches (k + 1)·n, and a block computes that target from the value
-// its own arrival returned (no block can arrive at barrier k + 1 before all have arrived at k).
-// Thread 0 of each block arrives with a release (publishing the block's writes, ordered before it
-// by the __syncthreads) and polls with acquire loads; there is no reset and no second atomic on
-// the way out. Needs every block of the grid resident at once (the launchers size the grid from
-// the occupancy query): otherwise the polling blocks wait for blocks that never start.
-// `opened` is for grid_arrive/grid_open/grid_wait below. Both words start at 0 (zeroed once).
-struct GridSync {
-    u64 counter; // u64 arrivals
-    u64 opened;  // u64: the target of the last barrier opened by grid_open
-};
-
-// Thread 0's arrival: returns the count before it (acquire-release: the last block to arrive also
-// sees every earlier arrival's writes).
-__device__ __forceinline__ u64 grid_arrive_count(const GridSync& s) {
-    u64 old;
-    asm volatile("atom.add.acq_rel.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(s.counter) : "memory");
-    return old;
-}
-__device__ __forceinline__ u64 grid_target(u64 old) { return (old / gridDim.x + 1) * gridDim.x; }
+// ---------------------------------------------------------------- waiting for a device counter
 // Polls with relaxed loads and acquires once, after the wait: an acquire load at GPU scope also
 // invalidates the SM's L1, and a block spinning with it would do so continuously under the block
 // that shares its SM and is still working.
@@ -676,36 +597,6 @@ __device__ __forceinline__ void wait_until_at_least(u64 addr, u64 target) {
     while (ld_relaxed_u64(addr) < target) {
     }
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
-}
-
-__device__ __forceinline__ void grid_barrier(const GridSync& s) {
-    __syncthreads();
-    if (threadIdx.x == 0) wait_until_at_least(s.counter, grid_target(grid_arrive_count(s)));
-    __syncthreads();
-}
-
-// The barrier in three parts, for a phase whose last block to arrive does extra work before the
-// grid may go on (the MoE routing in decode_layer.cu): grid_arrive returns, in every thread of the
-// block, whether this block arrived last (then every other block's writes are visible to it); that
-// block does its work and calls grid_open; every other block calls grid_wait.
-__device__ __forceinline__ bool grid_arrive(const GridSync& s, u64* target) {
-    __shared__ u32 last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u64 old = grid_arrive_count(s);
-        *target = grid_target(old);
-        last = old + 1 == *target;
-    }
-    __syncthreads();
-    return last != 0u;
-}
-__device__ __forceinline__ void grid_open(const GridSync& s, u64 target) {
-    __syncthreads();
-    if (threadIdx.x == 0) asm volatile("st.release.gpu.u64 [%0], %1;" ::"l"(s.opened), "l"(target) : "memory");
-}
-__device__ __forceinline__ void grid_wait(const GridSync& s, u64 target) {
-    if (threadIdx.x == 0) wait_until_at_least(s.opened, target);
-    __syncthreads();
 }
 
 // Block-wide arrival at a u32 ticket that `count` blocks reach in this launch: true, in every thread,
@@ -914,9 +805,7 @@ struct RouteParams {
 // that they are exact and independent of the order the blocks arrive in — the same logits every
 // run, ties included. Tile t adds into copy t % ROUTE_COPIES (fewer atomics per address).
 //   acc: i64 [ROUTE_COPIES][route_acc_stride(E)]: [0, E) logits, E the shared-expert gate, E + 1 Σh².
-#ifndef ROUTE_COPIES
-#define ROUTE_COPIES 4 // lab: 1 or 2 (the buffers hold 4; 8 measured no better)
-#endif
+#define ROUTE_COPIES 4 // the buffers hold 4; 1, 2 and 8 measured no better
 #define ROUTE_LOGIT_UNIT 4294967296.0f // 2^32
 #define ROUTE_SQ_UNIT 1048576.0f       // 2^20
 __device__ __forceinline__ int route_acc_stride(int E) { return (E + 2 + 15) & ~15; }

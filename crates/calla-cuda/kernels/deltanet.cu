@@ -330,7 +330,6 @@ __device__ __forceinline__ void deltanet_decode_body(const DeltaNetParams& p) {
     deltanet_decode_item<KPL, SPLIT, DN_OUT_NORMED>(p, blockIdx.x);
 }
 
-#ifndef PHASES_ONLY // decode_layer.cu compiles this file for its device functions only
 #define DN_KERNEL(KPL) \
     extern "C" __global__ void __launch_bounds__(DN_THREADS, DN_MIN_BLOCKS_SINGLE) deltanet_decode_kpl##KPL(const DeltaNetParams p) { \
         deltanet_decode_body<KPL, 1>(p); \
@@ -374,7 +373,6 @@ extern "C" __global__ void __launch_bounds__(DN_THREADS, DN_MIN_BLOCKS_SPLIT(4))
     deltanet_decode_kpl4_split8_parts_k4_v128_r2(const DeltaNetParams p) {
     deltanet_decode_parts_body<4, 4, 128, 2>(p);
 }
-#endif // PHASES_ONLY
 static_assert(DN_WARPS * DN_PREFETCH_COLS >= (DN_MAX_DV + DN_SPLIT - 1) / DN_SPLIT,
               "with SPLIT = 8 every owned column is prefetched");
 

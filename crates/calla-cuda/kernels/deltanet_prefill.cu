@@ -512,9 +512,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) prefill_dn_scan(const DnSca
     // refilled once its last reader of this chunk has passed a barrier): W, q, U after the v' phase
     // (cp.async group 1), k and Aqk after the state update (group 2, waited for only before the o phase).
     auto copy_wqu = [&](int chunk) {
-#ifdef DN_TC_LAB_NO_COPY
-        if (chunk > 0) { cp_async_commit(); return; }
-#endif
         if (chunk < nchunks) {
             const int t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
             dn_copy_tile<true>(Ws, kp, (const float*)p.w_in + ((i64)t0 * p.Hv + h) * Dk, (i64)p.Hv * Dk, DN_CHUNK, L, Dk);
@@ -680,9 +677,7 @@ struct DnStatesParams {
 // chain of dependent products: the recurrence is latency-bound (one block per head slice, one chunk
 // after another). The next chunk's W, k, U and gates are copied into the other buffer while this
 // one computes. smem: 2·64·(wp + Dk + 4 + 40) + 64·36 + 192 floats + 2·32·(⌈Dk/16⌉·8 + 4) words,
-// wp = ⌈Dk/32⌉·32 + 8 (181 KiB at Dk 128). Lab switches
-// (CALLA_NVRTC_DEFINES; wrong results): DN_TC_LAB_NO_COPY (only the first two chunks' tiles are
-// copied), DN_TC_LAB_NO_MMA (no products), DN_TC_LAB_NO_STORE (no h, no v' stores).
+// wp = ⌈Dk/32⌉·32 + 8 (181 KiB at Dk 128).
 extern "C" __global__ void __launch_bounds__(32 * DN_ST_WARPS, 1) prefill_dn_states(const DnStatesParams p) {
     extern __shared__ __align__(16) float sm[];
     const int h = blockIdx.y, kh = h / (p.Hv / p.Hk), j0 = blockIdx.x * DN_BV;
@@ -732,9 +727,6 @@ extern "C" __global__ void __launch_bounds__(32 * DN_ST_WARPS, 1) prefill_dn_sta
     for (int i = tid; i < 2 * DN_CHUNK * DN_TC_UP; i += blockDim.x) Us[i] = 0.0f; // columns ≥ bv stay zero
     const int nchunks = (p.T + DN_CHUNK - 1) / DN_CHUNK;
     auto copy_chunk = [&](int chunk) {
-#ifdef DN_TC_LAB_NO_COPY
-        if (chunk > 1) { cp_async_commit(); return; }
-#endif
         if (chunk < nchunks) {
             const int b = chunk & 1, t0 = chunk * DN_CHUNK, L = min(DN_CHUNK, p.T - t0);
             dn_copy_tile<true>(Ws + b * DN_CHUNK * wp, wp, (const float*)p.w_in + ((i64)t0 * p.Hv + h) * Dk,
@@ -759,7 +751,6 @@ extern "C" __global__ void __launch_bounds__(32 * DN_ST_WARPS, 1) prefill_dn_sta
         cp_async_wait<0>(); // this chunk's tiles (the only group in flight)
         __syncthreads();    // … landed for every thread; the last chunk's phase B is done with the other buffer
         copy_chunk(chunk + 1);
-#ifndef DN_TC_LAB_NO_STORE
         { // the state before this chunk, for prefill_dn_out
             float* hs = (float*)p.h_out + (((i64)chunk * p.Hv + h) * Dv + j0) * Dk;
 #pragma unroll
@@ -772,7 +763,6 @@ extern "C" __global__ void __launch_bounds__(32 * DN_ST_WARPS, 1) prefill_dn_sta
                 }
             }
         }
-#endif
         const float c_last = cm[L - 1];
         if (tid < DN_CHUNK) ek[tid] = tid < L ? expf(c_last - cm[tid]) : 0.0f;
 
@@ -783,7 +773,6 @@ extern "C" __global__ void __launch_bounds__(32 * DN_ST_WARPS, 1) prefill_dn_sta
             for (int n = 0; n < AT; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-#ifndef DN_TC_LAB_NO_MMA
 #pragma unroll 2
             for (int k0 = 0; k0 < Dk; k0 += 16) {
                 const Bf3A a = bf3_frag_a(W, wp, m0, k0, g, q);
@@ -798,7 +787,6 @@ extern "C" __global__ void __launch_bounds__(32 * DN_ST_WARPS, 1) prefill_dn_sta
                     mma_3xbf16(acc[n], a, bf);
                 }
             }
-#endif
 #pragma unroll
             for (int n = 0; n < AT; ++n)
 #pragma unroll
@@ -807,9 +795,7 @@ extern "C" __global__ void __launch_bounds__(32 * DN_ST_WARPS, 1) prefill_dn_sta
                     const float2 u = *(const float2*)&U[i * DN_TC_UP + j];
                     const float2 v = make_float2(u.x - acc[n][2 * hf], u.y - acc[n][2 * hf + 1]);
                     *(float2*)&vn[i * DN_TC_VP + j] = v;
-#ifndef DN_TC_LAB_NO_STORE
                     if (i < L && j < bv) *(float2*)&u_io[((i64)(t0 + i) * p.Hv + h) * Dv + j0 + j] = v;
-#endif
                 }
         }
         __syncthreads(); // v' and ek complete; the S planes free
@@ -820,7 +806,6 @@ extern "C" __global__ void __launch_bounds__(32 * DN_ST_WARPS, 1) prefill_dn_sta
             for (int r = 0; r < ST; ++r)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s_reg[r][e] *= decay;
-#ifndef DN_TC_LAB_NO_MMA
 #pragma unroll 2
             for (int k0 = 0; k0 < L; k0 += 16) {
                 const Bf3A a = bf3_frag_at(vn, DN_TC_VP, ek, s_m0, k0, g, q);
@@ -830,7 +815,6 @@ extern "C" __global__ void __launch_bounds__(32 * DN_ST_WARPS, 1) prefill_dn_sta
                     if (nt < ntiles) mma_3xbf16(s_reg[r], a, bf3_frag_b_kn(K, kp, k0, 8 * nt, g, q));
                 }
             }
-#endif
         }
         publish_s(); // phase A's reads of the planes finished before the last barrier
     }

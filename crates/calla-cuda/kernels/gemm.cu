@@ -431,12 +431,8 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_q4_splitx(con
 // parameters as stored 5 KiB; then the barriers (221 KiB in all).
 // FLOPs 2·M·(N + 8)·K per plane. One block per SM (≤ 168 registers per thread), persistent: grid =
 // min(tiles, SMs), each block loops over tiles.
-// Lab switches (CALLA_NVRTC_DEFINES): WGX_LAG=n, WGX_LAB_NO_MMA (the consumers skip the wgmma: the
-// pipeline's floor without tensor work; wrong results). docs/performance.md has what they measured.
 #define WGX_STAGES 4
-#ifndef WGX_LAG
 #define WGX_LAG 2 // tiles between the producer issuing a tile's copies and publishing it
-#endif
 #define WGX_THREADS 384
 #define WGX_BN 136
 #define WGX_B_BYTES (WGX_BN * 128)
@@ -644,13 +640,11 @@ __device__ __forceinline__ void gemm_wgx_body(const GemmParams& p) {
 #pragma unroll
             for (int i = 0; i < 68; ++i) wgmma_pin(tq[i]);
             wgmma_fence();
-#ifndef WGX_LAB_NO_MMA
 #pragma unroll
             for (int ks = 0; ks < GEMM_BK / 16; ++ks) {
                 wgmma_m64n136k16_bf16(tq, dh + 2 * ks, db + 2 * ks, ks > 0);
                 wgmma_m64n136k16_bf16(tq, dl + 2 * ks, db + 2 * ks, 1);
             }
-#endif
             wgmma_commit();
             wgmma_wait_all();
 #pragma unroll
@@ -708,8 +702,6 @@ extern "C" __global__ void __launch_bounds__(WGX_THREADS, 1) gemm_q4_wgx_split(c
 // i.e. byte q of the row's words 2ks and 2ks + 1 (a1, a3: the same for row g + 8).
 // Under SwiGLU, tile rows 16i + j (j < 8) are gate rows and 16i + 8 + j the up rows of the same
 // output column: both sit in one thread (fragment rows g and g + 8).
-// Lab switches (CALLA_NVRTC_DEFINES): WGH_LAB_NO_MMA (no wgmma), WGH_LAB_NO_EPILOGUE (no stores):
-// wrong results; docs/performance.md ("Session 10") has what they measured.
 #define WGH_SLABS 2
 #define WGH_STAGES 8
 // Registers per thread after setmaxnreg: the producer's copies need ~96 (fewer spill), the consumers'
@@ -938,12 +930,10 @@ __device__ __forceinline__ void gemm_wgh_body(const GemmParams& p) {
 #pragma unroll
                 for (int i = 0; i < 64; ++i) wgmma_pin(acc[sl][i]);
             wgmma_fence();
-#ifndef WGH_LAB_NO_MMA
 #pragma unroll
             for (int sl = 0; sl < WGH_SLABS; ++sl)
 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks) wgmma_m64n128k16_f16_rs(acc[sl], af[sl][ks], dx + 2 * ks);
-#endif
             wgmma_commit();
             wgmma_wait_all();
 #pragma unroll
@@ -960,10 +950,6 @@ __device__ __forceinline__ void gemm_wgh_body(const GemmParams& p) {
         }
 
         // epilogue: fragment (row r0 + 8h, token 8j + 2q + e) of slab sl is acc[sl][4j + 2h + e]
-#ifdef WGH_LAB_NO_EPILOGUE
-        if (acc[0][0] == 1.2345f) gemm_emit(p, m0, n0, acc[WGH_SLABS - 1][63]);
-        continue;
-#endif
         const int rbase = wg * 64 * WGH_SLABS + wi * 16 + gq;
 #define WGH_EPILOGUE(MODE)                                                                  \
     case MODE:                                                                              \

@@ -21,11 +21,8 @@
 #define MATVEC_THREADS 256
 // MatvecParams (the launch parameters, shared with matvec_tc.cu): common.cuh.
 
-// How many passes ahead a block asks L2 for its rows (CALLA_NVRTC_DEFINES=MATVEC_PREFETCH_PASSES=n
-// to measure; 0 = none).
-#ifndef MATVEC_PREFETCH_PASSES
+// How many passes ahead a block asks L2 for its rows (0 = none).
 #define MATVEC_PREFETCH_PASSES 1
-#endif
 
 // L2 prefetch of rows [first, first + n) of the stacked segments.
 __device__ __forceinline__ void matvec_prefetch_pass(const MatvecParams& p, int first, int n) {
@@ -65,13 +62,7 @@ __device__ __forceinline__ void matvec_rows(const MatvecParams& p, const float* 
         float acc[R];
 #pragma unroll
         for (int i = 0; i < R; ++i) acc[i] = 0.0f;
-        const bool lab_first = base == blockIdx.x * rows_per_pass;
-        if (lab_first) LAB_STAMP(1);
         rows_dot<FMT, R, U>(rows, xs, usum, units, lane, width, units_per_group, acc);
-        if (lab_first) {
-            LAB_AFTER(__float_as_uint(acc[0]));
-            LAB_STAMP(3);
-        }
 #pragma unroll
         for (int i = 0; i < R; ++i) {
             const float v = group_sum(acc[i], width);
@@ -80,9 +71,7 @@ __device__ __forceinline__ void matvec_rows(const MatvecParams& p, const float* 
                 y[local[i]] = p.accumulate ? ldcg_f32(y + local[i]) + v : v;
             }
         }
-        if (lab_first) LAB_STAMP(4);
     }
-    LAB_STAMP(5);
 }
 
 template <int FMT, int R, int U>
@@ -92,8 +81,6 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     float* xs = (float*)smem4;
     float* usum = xs + xpad_len(p.K);
     __shared__ float red[32];
-    LAB_ON(p.nseg >= 3); // lab: the in-projections only (the lm_head would overwrite them)
-    LAB_STAMP(0);
     griddep_enter();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.K, xs, usum, red);
     matvec_rows<FMT, R, U>(p, xs, usum);
@@ -101,7 +88,6 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
 
 // The explicit minimum of 1 block per SM on _r4 is what the measured and parity-checked code was
 // compiled with; ptxas allocates registers differently without it (scripts/cubin-diff.py).
-#ifndef PHASES_ONLY // decode_layer.cu compiles this file for its device functions only
 #define MATVEC_KERNEL(name, FMT) \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS, 1) name##_r4(const MatvecParams p) { matvec_body<FMT, 4, 2>(p); } \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) name##_r2(const MatvecParams p) { matvec_body<FMT, 2, 4>(p); }
@@ -110,7 +96,6 @@ MATVEC_KERNEL(matvec_bf16, FMT_BF16)
 MATVEC_KERNEL(matvec_f16, FMT_F16)
 MATVEC_KERNEL(matvec_q4, FMT_Q4)
 MATVEC_KERNEL(matvec_q8, FMT_Q8)
-#endif // PHASES_ONLY
 
 // ---------------------------------------------------------------- embedding gather
 // h[c] = E[token, c] (dequantised), token = cursor.token. grid 1, block 256.
@@ -131,7 +116,6 @@ __device__ __forceinline__ void embed_body(const EmbedParams& p) {
     dequant_row<FMT>(p.m, token, p.D, p.group_size, (float*)p.out);
 }
 
-#ifndef PHASES_ONLY // decode_layer.cu compiles this file for its device functions only
 #define EMBED_KERNEL(name, FMT) \
     extern "C" __global__ void __launch_bounds__(256) name(const EmbedParams p) { embed_body<FMT>(p); }
 EMBED_KERNEL(embed_f32, FMT_F32)
@@ -139,8 +123,6 @@ EMBED_KERNEL(embed_bf16, FMT_BF16)
 EMBED_KERNEL(embed_f16, FMT_F16)
 EMBED_KERNEL(embed_q4, FMT_Q4)
 EMBED_KERNEL(embed_q8, FMT_Q8)
-LAB_STAMPS_COPY(matvec_lab_stamps)
-#endif // PHASES_ONLY
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");

@@ -53,34 +53,16 @@
 
 // The bf16 pair (1 + q_p/16, 1 + q_{p+4}/16) of nibbles p and p + 4 of `word` (p = 0..3).
 // (at3 & mask) | one in a single LOP3 with both constants in registers: written plainly, the compiler
-// emits two (a LOP3 takes one immediate), three instructions per A register instead of two (lab
-// MTC_LAB_TWO_LOP keeps the plain form).
+// emits two (a LOP3 takes one immediate), three instructions per A register instead of two.
 __device__ __forceinline__ u32 q4_pair_one_plus(u32 word, int p) {
     const u32 at3 = p == 0 ? word << 3 : word >> (4 * p - 3); // nibble p at bits 3..6, p + 4 at 19..22
-#if defined(MTC_LAB_TWO_LOP)
-    return (at3 & 0x00780078u) | 0x3F803F80u;
-#else
     u32 r;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(at3), "r"(0x00780078u), "r"(0x3F803F80u)); // (a & b) | c
     return r;
-#endif
 }
 
 // The weight loads of common.cuh (ldg16, ldg8), but `volatile`: they stay after the x loads that
 // precede them in program order, instead of being scheduled wherever the compiler likes.
-// Lab MTC_LAB_NO_LOADS: no weight traffic; the "weights" are made from the address (every bf16
-// parameter ~1e-19, so the residual stays finite), to price what the step's weight streaming costs.
-#if defined(MTC_LAB_NO_LOADS)
-__device__ __forceinline__ u32 lab_fake_word(const void* p, u32 k) {
-    u32 a = (u32)(size_t)p * (2u * k + 1u);
-    asm volatile("" : "+r"(a));
-    return (a & 0x007F007Fu) | 0x20002000u;
-}
-__device__ __forceinline__ uint4 ldg16_in_order(const void* p) {
-    return make_uint4(lab_fake_word(p, 0), lab_fake_word(p, 1), lab_fake_word(p, 2), lab_fake_word(p, 3));
-}
-__device__ __forceinline__ uint2 ldg8_in_order(const void* p) { return make_uint2(lab_fake_word(p, 0), lab_fake_word(p, 1)); }
-#else
 __device__ __forceinline__ uint4 ldg16_in_order(const void* p) {
     uint4 v;
     asm volatile(WEIGHT_LD_STR(WEIGHT_LD) ".v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
@@ -91,7 +73,6 @@ __device__ __forceinline__ uint2 ldg8_in_order(const void* p) {
     asm volatile(WEIGHT_LD_STR(WEIGHT_LD) ".v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
-#endif
 
 // One lane's share of row g + 8h of a tile: the codes of its warp's CW chunks of 128 columns from
 // `data` (the row's first code byte) and the (scale, bias) words of their 2·CW groups from `prm` (the
@@ -297,20 +278,15 @@ struct TcInt8 {
         return v + __shfl_xor_sync(0xffffffffu, v, 2);
     }
 };
-// The decode products' encoding (lab MTC_LAB_BF16: the bf16 form, for measuring one against the other).
-#if defined(MTC_LAB_BF16)
-typedef TcBf16 TcDot;
-#else
+// The decode products' encoding (int8 planes of x̂; the bf16 form, TcBf16, measured slower).
 typedef TcInt8 TcDot;
-#endif
 
 // What the body below needs to know about one kind of product (a "map"): how many 16-row tiles,
 // where tile row r's codes and (scale, bias) start, the input vector (and its norm gain, or 0), and
 // what to do with the 16 row sums of a tile (`finish`, threads tid < 16 of the block: red[w][r] is
 // warp w's share of row r). Maps whose rows are not STATIC_ROWS (gate/up) select them in
 // `prologue_staged`, with the body's Σx² and x̂ staging as hooks between its barriers. HEAD_NORM and
-// `chunk_scales`: a scale per chunk of 128 columns on its products (the DeltaNet head norm). lab():
-// whether its launches write lab stamps.
+// `chunk_scales`: a scale per chunk of 128 columns on its products (the DeltaNet head norm).
 
 // The fused routing's producer side (common.cuh, "fused routing"): an out-projection y = h += W·x
 // whose blocks, once a tile's 16 rows of h are final, add those columns' share of every router row,
@@ -423,15 +399,6 @@ struct TcMatvecParams {
 };
 
 // Plain matvec: y_seg (+)= W_seg·x̂ over up to 4 stacked segments; HEAD_NORM: the DeltaNet head norm.
-// Lab (LAB_STAMPS): which kernels stamp; MTC_LAB_GATE_UP_ONLY leaves the stamps to the MoE gate/up
-// (the step's last matvec_tc launch is otherwise the lm_head).
-#if defined(MTC_LAB_GATE_UP_ONLY)
-#define MTC_LAB_MATVEC 0
-#elif defined(MTC_LAB_DN_INPROJ_ONLY) // the DeltaNet in-projections (q|k|v, z, b, a: ≥ 4 segments)
-#define MTC_LAB_MATVEC (p.nseg >= 4)
-#else
-#define MTC_LAB_MATVEC 1
-#endif
 // FE, FBITS: the fused routing's router rows and code width, FHD, FNP: the head norm's head_dim and
 // parts per head, as compile-time constants (a specialised kernel), or 0 for tp's. NS > 0: the
 // segments' count, and R0, R1, R2 the rows of all but the last, compiled in (each a multiple of 16,
@@ -444,7 +411,6 @@ struct MatvecMapT {
     static constexpr bool HEAD_NORM = HN;
     typedef typename PickType<ROUTE, RouteRegs, NoTail>::type Tail;
     static constexpr bool STATIC_ROWS = true; // row() depends on the parameters only
-    __device__ int lab() const { return MTC_LAB_MATVEC; }
     const MatvecParams& p;
     const TcMatvecParams& tp;
     __device__ int tiles() const { return (p.total_rows + 15) >> 4; }
@@ -575,11 +541,6 @@ struct GateUpMapT {
     __device__ float eps() const { return p.eps; }
     static constexpr bool HEAD_NORM = false;
     static constexpr bool STATIC_ROWS = false; // the routed slots' rows follow the selection (prologue_staged)
-#if defined(MTC_LAB_DN_INPROJ_ONLY)
-    __device__ int lab() const { return 0; }
-#else
-    __device__ int lab() const { return 1; }
-#endif
     template <int CW>
     __device__ void chunk_scales(int, int, float (&)[CW]) const {}
     // The slots' experts given in topk_ids (no selection here) into shared memory; with a selection
@@ -630,17 +591,11 @@ struct GateUpMapT {
         data[1] = data[0] + wide_mul(n, row_bytes);
         prm[1] = prm[0] + wide_mul(n, prm_bytes);
     }
-    __device__ void row(int t, int rr, const u8*& data, const u8*& prm) const { // lab MTC_BULK's form
-        const u8 *d[2], *q[2];
-        tile_rows(t, rr & 7, d, q);
-        data = d[rr >> 3];
-        prm = q[rr >> 3];
-    }
     // The down launch's weights for this step's experts (and the shared expert's), asked of L2 by
     // every block for its share of the lines (~160 at the real shape: 5.2 MB per layer), after the
     // block's first tile (every slot in this launch, I == Is: one line count per slot). Step at 4K
     // −9 µs (docs/performance.md, session 19), though MoE down itself is no faster one launch at a
-    // time; at the blocks' end instead: the same step. Lab: MTC_LAB_NO_DOWN_PREFETCH.
+    // time; at the blocks' end instead: the same step.
     __device__ void prefetch_down() const {
         if (!down_e.data || !r.logits || p.slot_offset != 0 || I() != Is() || slots() != A() + (down_s.data ? 1 : 0)) return;
         const i64 D = p.D;
@@ -678,53 +633,8 @@ struct GateUpMapT {
 };
 
 // An accumulating product (the out-projections and down, y += W·x) requests the values it adds to at
-// its start, not as a dependent L2 load after its reduction. Lab: MTC_EARLY_OLD=0 for the late load.
-#ifndef MTC_EARLY_OLD
+// its start, not as a dependent L2 load after its reduction.
 #define MTC_EARLY_OLD 1
-#endif
-
-// Lab, off (MTC_BULK=1, sm_90): the fixed-row products (STATIC_ROWS: in-projections, out-projections,
-// lm_head) take their weights through shared memory by bulk copies (the TMA engine) that the last
-// warp requests before griddep_enter() (the weights depend on no kernel), so with programmatic launch
-// they go out while the kernel before still runs. Lane r < 16 copies row r's codes, lane 16 + r its
-// (scale, bias) pairs (MTC_BULK_TILE: one copy each when the tile's rows are contiguous); a stage's
-// mbarrier completes when its bytes have landed, and it is refilled with the block's tile j + STAGES
-// once every warp has passed tile j's reduction barrier. Rows sit at a pitch 64 (codes) and 16 bytes
-// (parameters) beyond their size, so the rows g and g + 1 of one quarter-warp's 16-byte reads fall in
-// different banks. Shared memory (dynamic, after bfrag and gsum): OFFSET + STAGES·BYTES, sized by
-// matvec.rs `tensor_core_smem` with CALLA_LAB_TC_BULK=1 (the kernel traps on less).
-// Why it is off (docs/performance.md, session 13): the chain lab's links take 1,032 → 899 µs per
-// step with bulk copies at entry (x is not delayed by them, unlike loads and L2 prefetches), and
-// 709 µs with programmatic launch and the copies before the wait; here the in-projections were
-// −0.5 µs per launch in the no-graph profile, the K = 4096 products +0.5, and the graph step
-// +14…+75 µs in every form tried, +160 with programmatic launch (its copies, issued during MoE
-// down, delay down's own loads: MTC_LAB_LATE_TRIGGER there is the next thing to measure).
-#if !defined(MTC_BULK_TILE)
-#define MTC_BULK_TILE 0
-#endif
-#if !defined(MTC_BULK) || !defined(__CUDA_ARCH_FEAT_SM90_ALL) // bulk copies and their mbarriers need sm_90
-#undef MTC_BULK
-#define MTC_BULK 0
-#endif
-template <int CW>
-struct TcStages {
-#if defined(MTC_BULK_STAGES) // lab, with CALLA_LAB_TC_STAGES
-    static constexpr int STAGES = MTC_BULK_STAGES;
-#else
-    static constexpr int STAGES = CW == 1 ? 4 : CW == 2 ? 3 : 2;
-#endif
-    static constexpr int CODES = 512 * CW;     // a row's code bytes, K/2
-    static constexpr int PARAMS = 64 * CW;     // a row's (scale, bias) bytes, K/64 · 4
-#if MTC_BULK_TILE // lab: rows unpadded, a tile whose rows are contiguous in one copy of codes and one of parameters
-    static constexpr int PITCH_C = CODES;
-    static constexpr int PITCH_P = PARAMS;
-#else
-    static constexpr int PITCH_C = CODES + 64; // ≡ 64 (mod 128)
-    static constexpr int PITCH_P = PARAMS + 16; // ≡ 16 (mod 128) for CW ≥ 2; 80 (8-byte reads) for CW = 1
-#endif
-    static constexpr int BYTES = 16 * (PITCH_C + PITCH_P);
-    static constexpr int OFFSET = (4160 * CW + 127) / 128 * 128; // after bfrag (4K bytes) and gsum (K/16)
-};
 
 template <int CW, int NB, typename Map>
 __device__ __forceinline__ void tc_body(const Map& map) {
@@ -741,57 +651,7 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     // the grid may be 2-D (gate/up: (blocks, slots)); the tiles are spread over all its blocks
     const int block = blockIdx.x + blockIdx.y * gridDim.x, nblocks = gridDim.x * gridDim.y;
     const u64 px = map.x(), pgain = map.norm_gain();
-    LAB_ON(map.lab());
-    LAB_STAMP(0);
-#ifndef MTC_BULK_MAX_CW
-#define MTC_BULK_MAX_CW 4 // lab: 2 leaves the K = 4096 products on the register path (CALLA_LAB_TC_BULK_MAX_K=2048)
-#endif
-    constexpr bool BULK = Map::STATIC_ROWS && MTC_BULK && CW <= MTC_BULK_MAX_CW;
-    typedef TcStages<CW> St;
-#if MTC_BULK
-    __shared__ __align__(8) u64 stage_bar[St::STAGES];
-    const u8* const stages = (const u8*)smem4 + St::OFFSET;
-    const u32 stages_s = smem_addr(stages), bars_s = smem_addr(stage_bar);
-    auto bulk_issue = [&](int t, int s) { // the last warp, every lane: tile t into stage s
-        const u32 bar = bars_s + 8 * s;
-        if (lane == 0) mbar_arrive_expect_tx(bar, 16 * (St::CODES + St::PARAMS));
-        const int r = lane & 15;
-        const u8 *data, *prm;
-        map.row(t, r, data, prm);
-#if MTC_BULK_TILE
-        const u8* data0 = (const u8*)__shfl_sync(0xffffffffu, (u64)data, 0);
-        const u8* prm0 = (const u8*)__shfl_sync(0xffffffffu, (u64)prm, 0);
-        const bool whole = __all_sync(0xffffffffu, data == data0 + r * St::CODES && prm == prm0 + r * St::PARAMS);
-        if (whole) {
-            if (lane == 0) bulk_copy_g2s(stages_s + s * St::BYTES, data0, 16 * St::CODES, bar);
-            if (lane == 16) bulk_copy_g2s(stages_s + s * St::BYTES + 16 * St::PITCH_C, prm0, 16 * St::PARAMS, bar);
-            return;
-        }
-#endif
-        if (lane < 16) bulk_copy_g2s(stages_s + s * St::BYTES + r * St::PITCH_C, data, St::CODES, bar);
-        else bulk_copy_g2s(stages_s + s * St::BYTES + 16 * St::PITCH_C + r * St::PITCH_P, prm, St::PARAMS, bar);
-    };
-    // The weights do not depend on any kernel: with programmatic dependent launch their copies go
-    // out before the wait, while the kernel before still runs.
-    if constexpr (BULK) {
-        if (warp == MTC_WARPS - 1) {
-            u32 dyn_smem;
-            asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-            if (dyn_smem < St::OFFSET + St::STAGES * St::BYTES) __trap(); // the launcher's size is matvec.rs's
-            if (lane == 0) {
-#pragma unroll
-                for (int s = 0; s < St::STAGES; ++s) mbar_init(bars_s + 8 * s, 1);
-                fence_mbar_init();
-            }
-            __syncwarp();
-#pragma unroll
-            for (int s = 0; s < St::STAGES; ++s)
-                if (block + s * nblocks < tiles) bulk_issue(block + s * nblocks, s);
-        }
-    }
-#endif
-    griddep_enter(); // programmatic dependent launch (CALLA_PDL=1); no-ops otherwise
-#if !defined(MTC_LAB_NO_REFILL_PREFETCH)
+    griddep_enter(); // programmatic dependent launch (graph.rs); no-ops otherwise
     // The fixed-row products with a refill tile and few tiles per block (the in-projections: at the
     // real shape 244 of the DeltaNet's 264 blocks and 48 of attention's have a third tile; not
     // lm_head's ~59) ask L2 for it at entry, one thread per 128-byte line (row tid / 16, line tid % 16:
@@ -812,7 +672,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
             else if (line == 4 * CW) prefetch_l2(q);
         }
     }
-#endif
 
     // x and its norm gain first (from L2): the weight loads are issued only once they have arrived.
     constexpr int WPT = (CW + 1) / 2; // words of 8 columns per thread
@@ -835,13 +694,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
 
     const float y_old = MTC_EARLY_OLD && block < tiles ? map.old_value(block, tid) : 0.0f;
     const typename Map::Tail tail_first = map.tail_load(min(block, tiles - 1)); // fused routing's loads
-    LAB_STAMP(7);
-#if defined(MTC_LAB_XSTAMPS) // lab: stamps 3 and 4 when x and its gain have arrived (not the first tile's)
-    LAB_AFTER(__float_as_uint(xin[0][0].x));
-    LAB_STAMP(3);
-    LAB_AFTER(__float_as_uint(gin[0][0].x));
-    LAB_STAMP(4);
-#endif
 
     // The loads of one tile for this lane: codes of rows g, g + 8 in the warp's CW chunks, and the
     // (scale, bias) pairs of the 2·CW groups they span (one 8·CW-byte load per row; TcDot::chunk
@@ -902,7 +754,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         auto pre = [&] { block_sum_post(x_times_gain(), scratch, lane, warp); };
         auto mid = [&] { stage(block_sum_collect<MTC_WARPS>(scratch)); };
         map.prologue_staged(pre, mid);
-        LAB_STAMP(1);
         issue_first();
     } else {
         const float ss = x_times_gain();
@@ -914,30 +765,22 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         // behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive (session 5); issued right
         // behind x's requests without waiting for them, the in-projections took 10.7 → 11.9 µs and the
         // out-projections 6.5 → 7.7 (session 9).
-#ifndef MTC_WARP_ISSUE
-#define MTC_WARP_ISSUE 2 // lab: 0 never per thread, 1 for every fixed-row product
-#endif
-        constexpr bool warp_issue = !BULK && (MTC_WARP_ISSUE == 1 || (MTC_WARP_ISSUE == 2 && CW == 2));
+        constexpr bool warp_issue = CW == 2;
         if constexpr (warp_issue) {
             asm volatile("" ::"f"(ss));
             issue_first();
         }
-#if defined(MTC_LAB_XSTAMPS)
-        LAB_STAMP(5); // the in-projections: their weights issued; the others: before Σx²
-#endif
         // block_sum with one barrier, not two: scratch is unused before this point.
         block_sum_post(ss, scratch, lane, warp);
         __syncthreads();
         const float total = block_sum_collect<MTC_WARPS>(scratch);
-        if constexpr (!warp_issue && !BULK) issue_first();
-        LAB_STAMP(1);
+        if constexpr (!warp_issue) issue_first();
         stage(total);
         // With CW = 2 a warp stages exactly the words of its own chunks (word tid: chunk tid/16,
         // warp w's chunks 2w, 2w + 1), which are all its products read: no block barrier.
         if constexpr (CW == 2) __syncwarp();
         else __syncthreads();
     }
-    LAB_STAMP(2);
     float chunk_scale[CW]; // 1, or the DeltaNet head norm's (read while the first tiles load)
 #pragma unroll
     for (int ch = 0; ch < CW; ++ch) chunk_scale[ch] = 1.0f;
@@ -946,15 +789,6 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     const bool b_live = TcDot::b_live(g, c);
     auto compute = [&](int t, const uint4 (&cd)[CW][2], const u32 (&pr)[2][2 * CW], int j) { // block's tile j
         const int buf = j & 1;
-#if defined(MTC_LAB_XSTAMPS)
-        const bool lab_first = false;
-#else
-        const bool lab_first = t == block;
-#endif
-        if (lab_first) {
-            LAB_AFTER(cd[0][0].x);
-            LAB_STAMP(3);
-        }
         float acc0 = 0.0f, acc1 = 0.0f; // rows g, g + 8 (their lanes' shares)
 #pragma unroll
         for (int ch = 0; ch < CW; ++ch)
@@ -967,41 +801,11 @@ __device__ __forceinline__ void tc_body(const Map& map) {
             red[buf][warp][g] = acc0;
             red[buf][warp][g + 8] = acc1;
         }
-        if (lab_first) LAB_STAMP(4);
         __syncthreads();
-        if (lab_first) LAB_STAMP(5);
-#if MTC_BULK
-        if constexpr (BULK) { // every warp has read tile j's stage: refill it with tile j + STAGES
-            const int tn = t + St::STAGES * nblocks;
-            if (warp == MTC_WARPS - 1 && tn < tiles) {
-                fence_proxy_async_smem(); // the generic reads of the stage before the copies' writes
-                bulk_issue(tn, j % St::STAGES);
-            }
-        }
-#endif
         const float y_t = map.finish(t, tid, red[buf], MTC_EARLY_OLD && t == block, y_old);
         map.tail(t, y_t, tail_first, t == block, scratch);
     };
 
-#if MTC_BULK
-    if constexpr (BULK) { // tile j of this block is block + j·nblocks, in stage j % STAGES
-        for (int j = 0; block + j * nblocks < tiles; ++j) {
-            const int s = j % St::STAGES;
-            mbar_wait(bars_s + 8 * s, (j / St::STAGES) & 1);
-            const u8* st = stages + s * St::BYTES;
-            uint4 cd[CW][2];
-            u32 pr[2][2 * CW];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) // the register path's loads (issue), from the stage
-                tc_row_fragments<CW>(st + (g + 8 * h) * St::PITCH_C, st + 16 * St::PITCH_C + (g + 8 * h) * St::PITCH_P,
-                                     warp, c, h, cd, pr[h], [](const void* a) { return *(const uint4*)a; },
-                                     [](const void* a) { return *(const uint2*)a; });
-            compute(block + j * nblocks, cd, pr, j);
-        }
-        LAB_STAMP(6);
-        return;
-    }
-#endif
     // Tile j of this block is block + j·nblocks, held in register slot j % NB; its slot is
     // refilled with tile j + NB as soon as it has been used.
     for (int j0 = 0; block + j0 * nblocks < tiles; j0 += NB) {
@@ -1012,26 +816,16 @@ __device__ __forceinline__ void tc_body(const Map& map) {
             compute(t, codes[s], par[s], j0 + s);
             const int tn = t + NB * nblocks;
             if (tn < tiles) issue(tn, codes[s], par[s]);
-#if !defined(MTC_LAB_NO_DOWN_PREFETCH)
             if constexpr (!Map::STATIC_ROWS) // gate/up: MoE down's weights into L2 (GateUpMapT::prefetch_down)
                 if (j0 + s == 0) map.prefetch_down();
-#endif
         }
     }
-    LAB_STAMP(6);
 }
 
-// CW = K / 1024 chunks per warp; NB tiles in flight per warp (~64 registers of loads). Lab:
-// CALLA_NVRTC_DEFINES=MTC_NB_C2=n (or _C1, _C4) changes NB.
-#ifndef MTC_NB_C1
+// CW = K / 1024 chunks per warp; NB tiles in flight per warp (~64 registers of loads).
 #define MTC_NB_C1 4
-#endif
-#ifndef MTC_NB_C2
 #define MTC_NB_C2 2
-#endif
-#ifndef MTC_NB_C4
 #define MTC_NB_C4 1 // the K = 4096 products (out-projections) have ≤ 1 tile per block
-#endif
 #define MTC_KERNELS(CW, NB) \
     extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c##CW(const MatvecParams p) { \
         const TcMatvecParams none{}; \
@@ -1194,11 +988,7 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     const int A = FA ? FA : p.A, I = FI ? FI : p.I, Is = FIS ? FIS : p.Is, D = FD ? FD : p.D;
     const int nslots = p.slot_end - p.slot_begin;
     const int n_routed = max(0, min(p.slot_end, A) - p.slot_begin);
-#if defined(MTC_LAB_LATE_TRIGGER)
-    griddep_wait(); // lab: the next kernel may launch once this one's weight loads are out (below)
-#else
     griddep_enter();
-#endif
     route_acc_clear(p);
     const int cr = I / 128, cs = Is / 128; // chunks of a routed and of the shared slot
     const int chunks = n_routed * cr + (p.slot_end > A ? cs : 0);
@@ -1279,12 +1069,6 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
             pr[i][h] = ldg8_in_order(params + wide_mul(row, prm_bytes));
         }
     }
-#if defined(MTC_LAB_LATE_TRIGGER)
-    // The next kernel's early copies (programmatic launch, MTC_BULK) queue behind these loads
-    // instead of ahead of them (session 13: in-projection copies issued during down made the step
-    // slower).
-    griddep_launch_dependents();
-#endif
 #pragma unroll
     for (int m = 0; m < WPT; ++m) {
         const int wi = tid + MTC_THREADS * m;
@@ -1327,7 +1111,6 @@ extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_down_q4_a
     tc_down_body<MTC_DOWN_CHUNKS, 8, 512, 512, 2048>(p);
 }
 
-LAB_STAMPS_COPY(matvec_tc_lab_stamps)
 
 static_assert(sizeof(MatvecParams) == 232, "MatvecParams layout differs from its Rust twin");
 static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");

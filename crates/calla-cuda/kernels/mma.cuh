@@ -82,11 +82,7 @@ __device__ __forceinline__ u32 cvt_bf16x2(float lo, float hi) {
 
 // Two f32 → packed bf16 pair (low half = first), round to nearest even (f32_to_bf16's bits).
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-#if defined(LAB_SOFT_BF16)
-    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
-#else
     return cvt_bf16x2(lo, hi);
-#endif
 }
 
 // The split of an f32 into bf16 hi + bf16 lo (v ≈ hi + lo to ~16 bits of mantissa): "split"

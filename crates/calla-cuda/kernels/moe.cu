@@ -1,7 +1,7 @@
 // moe.cu: the sparse MoE block for one decode token, in three launches, routing on the device.
 // (Where the formats allow, the engine runs the router inside the out-projection instead: the
 // fused routing, common.cuh and matvec_tc.cu; these kernels then serve the other formats, the
-// dense MLP, the persistent layer and as the reference.)
+// dense MLP and as the reference.)
 //
 // Math (CPU reference: calla_cpu::moe; HF Qwen3_5MoeSparseMoeBlock):
 //   x̂ = rmsnorm₀(h)·(1 + post_attention_layernorm)
@@ -114,14 +114,11 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
     const bool gate_block = p.shared_gate && blockIdx.x == gridDim.x - 1;
-    LAB_ON(0);
     griddep_enter();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.h, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
     if (blockIdx.x == 0)
         for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
-#if !defined(ROUTER_LAB_NO_ROWS) // lab: what the router rows cost (wrong results)
     router_rows<FMT>(p, xs, usum, blockIdx.x, gate_block);
-#endif
     // Without a ticket the tensor-core gate/up selects, in every block (matvec_tc.cu): the logits
     // are all this kernel leaves.
     if (!p.counter) return;
@@ -130,9 +127,7 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     __shared__ float4 sl4[MOE_MAX_E / 4];
     __shared__ int sel_id[MOE_MAX_A];
     __shared__ float sel_p[MOE_MAX_A];
-#if !defined(ROUTER_LAB_NO_SELECT) // lab: what the selection costs (wrong results)
     route(p, sl4, sel_id, sel_p, red, true);
-#endif
     if (threadIdx.x == 0) *(u32*)p.counter = 0u;
 }
 
@@ -162,7 +157,6 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
     float* xs = (float*)smem4;
     float* usum = xs + xpad_len(p.D);
     __shared__ float red[32];
-    LAB_ON(0);
     griddep_enter();
     stage_input<F::AFFINE ? F::W : 0>((const float*)p.x, (const float*)p.norm_gain, p.eps, p.D, xs, usum, red);
     const int slot = blockIdx.y + p.slot_offset;
@@ -204,8 +198,6 @@ __device__ __forceinline__ void down_rows(const DownParams& p, const float* acts
     const int upg_r = F::AFFINE ? p.group_size / F::W : 1;
     const MatrixRef ex = p.experts, sh = p.shared; // by value: no local-memory copies in the loop
     float acc[DOWN_ROWS] = {};
-    LAB_STAMP(1);
-    bool lab_first = true;
     for (int f0 = lane; f0 < total; f0 += DOWN_UNITS * 32) {
         uint4 w[DOWN_UNITS][DOWN_ROWS];
         float2 sb[DOWN_UNITS][DOWN_ROWS];
@@ -223,10 +215,6 @@ __device__ __forceinline__ void down_rows(const DownParams& p, const float* acts
                     if (F::AFFINE) sb[k][i] = row_group_params(row, unit / upg_r);
                 }
             }
-        }
-        if (lab_first) { // lab: the first pass's first load has arrived
-            LAB_AFTER(w[0][0].x);
-            LAB_STAMP(2);
         }
 #pragma unroll
         for (int k = 0; k < DOWN_UNITS; ++k) {
@@ -249,14 +237,11 @@ __device__ __forceinline__ void down_rows(const DownParams& p, const float* acts
             }
         }
     }
-    LAB_AFTER(__float_as_uint(acc[0]));
-    LAB_STAMP(3);
 #pragma unroll
     for (int i = 0; i < DOWN_ROWS; ++i) {
         const float v = warp_sum(acc[i]);
         if (lane == 0 && r0 + i < p.D) ((float*)p.h)[r0 + i] = ldcg_f32((const float*)p.h + r0 + i) + v;
     }
-    LAB_STAMP(4);
 }
 
 template <int FMT>
@@ -268,8 +253,6 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
     float* acts = (float*)smem4;
     __shared__ int slot_expert[MOE_MAX_A + 1];
     __shared__ float slot_weight[MOE_MAX_A + 1];
-    LAB_ON(1);
-    LAB_STAMP(0);
     griddep_enter();
     route_acc_clear(p);
     const int nslots = p.slot_end - p.slot_begin, pitch = xpad_len(p.act_stride);
@@ -287,18 +270,6 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
     down_rows<FMT>(p, acts, usum, slot_expert, slot_weight, (blockIdx.x * nwarps + warp) * DOWN_ROWS);
 }
 
-// ---------------------------------------------------------------- the MoE block's persistent phases
-// The parameters of the MoE phases (4–6) of the persistent decode layer (decode_layer.cu): router,
-// routing in the last block to arrive, gate/up and down+combine+residual in one launch whose phases
-// are separated by grid barriers (common.cuh), from the device functions above.
-struct MoePersistentParams {
-    RouterParams r;   // h, norm gain, router, shared gate, logits, top-A outputs, D, E, A, eps
-    GateUpParams g;   // experts, shared, act, I, Is, act_stride (x, norm_gain, topk_ids unused)
-    DownParams d;     // experts, shared, h, I, Is, A, act_stride, slot_end (the slots run [0, slot_end))
-    GridSync sync;
-};
-
-#ifndef PHASES_ONLY // decode_layer.cu compiles this file for its device functions only
 // gate/up keeps the explicit minimum of 1 block per SM it was measured and parity-checked with
 // (ptxas allocates differently without it: scripts/cubin-diff.py).
 #define MOE_KERNELS(suffix, FMT) \
@@ -310,11 +281,8 @@ MOE_KERNELS(bf16, FMT_BF16)
 MOE_KERNELS(f16, FMT_F16)
 MOE_KERNELS(q4, FMT_Q4)
 MOE_KERNELS(q8, FMT_Q8)
-LAB_STAMPS_COPY(moe_lab_stamps)
-#endif // PHASES_ONLY
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
 static_assert(sizeof(RouterParams) == 128, "RouterParams layout differs from its Rust twin");
 static_assert(sizeof(GateUpParams) == 128, "GateUpParams layout differs from its Rust twin");
 static_assert(sizeof(DownParams) == 152, "DownParams layout differs from its Rust twin");
-static_assert(sizeof(MoePersistentParams) == 424, "MoePersistentParams layout differs from its Rust twin");

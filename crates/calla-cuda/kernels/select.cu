@@ -779,7 +779,7 @@ __device__ __forceinline__ void publish_choice(const SelectParams& p, const Sele
 // ticket's last block merges the partials (each lane two, loaded together: ≤ 64 blocks) and
 // publishes. The general path computes the same through its shared-memory arrays, a second pass for
 // the sum, block barriers for the lists it would rank, and a 256-thread last block reading the
-// partials field by field: 15.0 µs from the first warp's entry to the result at V = 248,320 (lab
+// partials field by field: 15.0 µs from the first warp's entry to the result at V = 248,320 (clock
 // stamps), 11.6 µs per launch in the no-graph profile, against 6.7 for this path (docs/performance.md,
 // session 19). The token is the general path's (the same total order); the log-probability's sum is
 // in another order (rounding). (GreedyAcc and its merges: common.cuh. Where lm_head runs on the
@@ -820,15 +820,12 @@ __device__ __forceinline__ void select_greedy(const SelectParams& p, const Selec
             a.m = bm;
         }
     }
-    LAB_AFTER(a.s);
-    LAB_STAMP(2);
     a = greedy_warp_merge(a);
     __shared__ GreedyAcc w_acc[32];
     if (lane == 0) w_acc[warp] = a;
     __syncthreads();
     if (warp != 0) return;
     a = greedy_warp_merge(lane < nw ? w_acc[lane] : GreedyAcc{NEG_INF, 0.0f, NEG_INF, 0x7fffffff});
-    LAB_STAMP(3);
     SelectPartial* parts = (SelectPartial*)p.partials;
     int last = 0;
     if (lane == 0) {
@@ -840,10 +837,8 @@ __device__ __forceinline__ void select_greedy(const SelectParams& p, const Selec
         __threadfence();
         last = atomicAdd((unsigned*)p.counter, 1u) + 1 == gridDim.x;
     }
-    LAB_STAMP(1);
     if (!__shfl_sync(0xffffffffu, last, 0)) return;
     __threadfence();
-    LAB_STAMP(4);
     // the partials, two per lane in flight at once (NB ≤ 64: select.rs MAX_BLOCKS)
     const int NB = gridDim.x;
     float pm[2], ps[2], pv[2];
@@ -858,9 +853,7 @@ __device__ __forceinline__ void select_greedy(const SelectParams& p, const Selec
         pi[h] = ok ? __ldcg(&parts[b].z_arg) : 0x7fffffff;
     }
     a = greedy_merge(GreedyAcc{pm[0], ps[0], pv[0], pi[0]}, GreedyAcc{pm[1], ps[1], pv[1], pi[1]});
-    LAB_STAMP(5);
     a = greedy_warp_merge(a);
-    LAB_STAMP(6);
     if (lane == 0) {
         // as the general path: no finite logit at all → token 0 (the lowest id of equals)
         const int token = a.v > NEG_INF || a.i != 0x7fffffff ? a.i : 0;
@@ -869,17 +862,10 @@ __device__ __forceinline__ void select_greedy(const SelectParams& p, const Selec
         ((SelectResult*)p.result)->n_top = 0;
         publish_choice(p, c, token, raw_tok - lse, 0, pos);
     }
-    LAB_STAMP(7);
 }
 
 extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const SelectParams p) {
 // Labs pricing the launch itself in the decode graph (docs/performance.md, session 20):
-#if SEL_LAB_EMPTY == 2 // the launch without its work or its call stack (nothing chosen, the cursor not advanced)
-    if (p.V > 0) return;
-#else
-#if SEL_LAB_EMPTY == 1 // the launch without its work, its 400-byte call stack kept
-    if (p.V > 0) return;
-#endif
     extern __shared__ float sm[];
     // two arrays of `arr` floats: a block's values, then the merged candidates / draw tiles
     const int arr = max(max(p.chunk, (int)gridDim.x * SEL_MAX_CAND), max((int)gridDim.x * SEL_MAX_LOGPROBS, (int)blockDim.x + 1));
@@ -891,8 +877,6 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     const int lo = blockIdx.x * p.chunk, n = max(0, min(p.V, lo + p.chunk) - lo);
     const float* logits = (const float*)p.logits;
     SelectPartial* part = (SelectPartial*)p.partials + blockIdx.x;
-    LAB_ON(1); // lab (LAB_STAMPS): every block, per warp
-    LAB_STAMP(0);
     // Every logit of the thread requested at once, before the configuration decides the path: one
     // loop iteration per load waited ~0.6 µs for each in turn (the lm_head's logits come from L2).
     // (A chunk beyond one batch, V > 262,144: the general path's loop reads them again.)
@@ -903,12 +887,10 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         const int k = threadIdx.x + j * blockDim.x;
         lv[j] = k < n ? __ldcg(logits + lo + k) : 0.0f;
     }
-#if !defined(SEL_LAB_GENERAL_GREEDY) // lab: plain greedy through the general path
     if (!sampling && c.n_logprobs <= 0 && !c.use_bias && !c.use_seen && !c.use_counts && gridDim.x <= 64) {
         select_greedy(p, c, lv, lo, n);
         return;
     }
-#endif
 
     // ---- per-block partials
     float rmax = NEG_INF;
@@ -929,8 +911,6 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
             const int k = threadIdx.x + j * blockDim.x;
             if (k < n) take(k, lv[j]);
         }
-        LAB_AFTER(rmax);
-        if (!(sampling && p.sub_log2 > 0)) LAB_STAMP(2); // lab, greedy / last-block draw: logits in
     } else {
         for (int k = threadIdx.x; k < n; k += blockDim.x) take(k, logits[lo + k]);
     }
@@ -968,7 +948,6 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
     if (rmax > NEG_INF)
         for (int k = threadIdx.x; k < n; k += blockDim.x) rs += expf(raw[k] - rmax);
     rs = block_sum(rs, red);
-    if (!(sampling && p.sub_log2 > 0)) LAB_STAMP(3); // lab, greedy / last-block draw: block reduced
     float zs = 0.0f;
     if (sampling) {
         if (zb.v > NEG_INF)
@@ -1007,9 +986,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         int pow2 = 1;
         while (pow2 < p.V) pow2 <<= 1;
         nsub = pow2 >> p.sub_log2;
-        LAB_STAMP(1);
         sel_grid_sync(p); // 1: every partial written
-        LAB_STAMP(2);
         const volatile SelectPartial* gparts = (const volatile SelectPartial*)p.partials;
         const int NB = gridDim.x;
         if (threadIdx.x < 32) { // z max and the finite count: exact in any order
@@ -1030,14 +1007,12 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         }
         __syncthreads();
         const float zmax = gs_zmax;
-        if (!need_cands) LAB_STAMP(3); // lab: the z max read (plain temperature; 3 is "candidates merged" otherwise)
         const int nfin = gs_nfin;
         // 2: the candidates, ranked, from the whole grid (the same list in every block)
         int nk = 0;
         if (need_cands && gs_mode == 0) {
             const int want = (c.top_k > 0 && c.top_k < SEL_MAX_CAND) ? c.top_k : SEL_MAX_CAND;
             nk = grid_top_candidates(p, zv, sub_l, blockIdx.x * (1 << p.sub_log2), nfin, want, gk_ids, gk_vals);
-            LAB_STAMP(3);
         }
         const bool topk_mode = c.top_k > 0 && c.top_k < nfin && c.top_k <= SEL_MAX_CAND;
         if (threadIdx.x == 0) {
@@ -1067,7 +1042,6 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
             if (threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_TOTAL)[blockIdx.x] = root;
             sel_grid_sync(p); // 2
             const float total = grid_top(p, SEL_GRID_ROW_TOTAL, nsub, sm);
-            LAB_STAMP(4);
             __shared__ int s_big;
             if (threadIdx.x == 0) { // the reference's walk over the ranked candidates
                 const int kept = topk_mode ? min(c.top_k, nk) : nfin;
@@ -1147,7 +1121,6 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
                     lo_k = lo_new;
                     __syncthreads(); // s_wsum, s_mass reused
                 }
-                LAB_STAMP(5);
                 const float thr = hi_k < 0 ? __int_as_float((int)(0x80000000u - (u32)hi_k)) : __int_as_float(hi_k);
                 float vmin = __int_as_float(0x7f800000);
 #pragma unroll
@@ -1207,7 +1180,6 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
             const float root = sub_tree_root(zs, first, sub_l, gs_rule, leaves);
             if (threadIdx.x == 0) sel_grid_row(p, SEL_GRID_ROW_FINAL)[blockIdx.x] = root;
             sel_grid_sync(p);
-            LAB_STAMP(6);
             // 5: every block descends the top of the tree to the same subtree; that block descends
             // its own leaves and publishes the id (before the ticket, which orders it for the last block)
             const float u = philox_uniform(c.seed_lo, c.seed_hi, c.step_lo, c.step_hi);
@@ -1247,13 +1219,10 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
                 }
             }
         }
-        LAB_STAMP(7);
     }
 
     // ---- the last block merges
-    if (!grid) LAB_STAMP(1); // lab, greedy / last-block draw: partial written
     if (!block_arrive_last((unsigned*)p.counter, gridDim.x)) return;
-    if (!grid) LAB_STAMP(4); // lab: the ticket's last block
     __shared__ int s_grid_token;
     if (threadIdx.x == 0) s_grid_token = grid && gs_mode == 0 && gs_drawn ? __ldcg((const int*)(p.grid + 8)) : -1;
     __syncthreads();
@@ -1281,7 +1250,6 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         p_raw_at[b] = parts[b].raw_at_arg;
     }
     __syncthreads();
-    if (!grid) LAB_STAMP(5); // lab: the partials read
     __shared__ float g_raw_at_arg;
     // One warp merges: lane l takes partials l, l + 32, … and the lanes combine by shuffles (a fixed
     // tree: the same sums every time; a thread-0 loop over the partials took microseconds).
@@ -1319,7 +1287,6 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         }
     }
     __syncthreads();
-    if (!grid) LAB_STAMP(6); // lab: merged
     // merged top logprobs: NB·nl candidates → best nl
     SelectResult* res = (SelectResult*)p.result;
     float* cv = raw; // reuse shared memory: candidates
@@ -1489,8 +1456,6 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const Sel
         const float raw_tok = token == g_arg && g_raw_at_arg == g_raw_at_arg ? g_raw_at_arg : sanitise(logits[token]);
         publish_choice(p, c, token, raw_tok - g_lse, sampled, p.result_host ? ((const Cursor*)p.cursor)->pos : 0);
     }
-    if (!grid) LAB_STAMP(7); // lab: the result written (warp 0: after thread 0's stores)
-#endif
 }
 
 // ---------------------------------------------------------------- penalty tables
@@ -1519,7 +1484,6 @@ extern "C" __global__ void __launch_bounds__(256) penalty_tables(const PenaltyPa
 }
 
 // Layouts shared with the Rust launchers (tests/layouts.rs checks the same sizes).
-LAB_STAMPS_COPY(select_lab_stamps)
 
 static_assert(sizeof(SelectParams) == 104, "SelectParams layout differs from its Rust twin");
 static_assert(sizeof(PenaltyParams) == 48, "PenaltyParams layout differs from its Rust twin");

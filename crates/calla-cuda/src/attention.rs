@@ -94,17 +94,6 @@ const MAX_MERGE: usize = 64;
 /// Most grid splits: the groups of one kv head fit one merge.
 pub const MAX_SPLITS: usize = MERGE_GROUP * MAX_MERGE;
 
-/// Fewest tiles per live split (see live_splits). CALLA_ATTN_MIN_TILES overrides it (for measuring).
-pub const MIN_TILES_PER_SPLIT: usize = 1;
-
-pub fn min_tiles_per_split() -> usize {
-    std::env::var("CALLA_ATTN_MIN_TILES")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&n| n >= 1)
-        .unwrap_or(MIN_TILES_PER_SPLIT)
-}
-
 pub fn check_dims(spec: &ModelSpec) -> Result<()> {
     let (hq, hkv, dh) = (
         spec.num_attention_heads,
@@ -179,13 +168,10 @@ const BARRIER_MAX_SPLITS: usize = 128;
 
 /// The barrier-merge kernel for `spec`'s dims: a copy compiled for head dim 256 with 8 q heads per
 /// kv head (Qwen3.5/3.6; its index arithmetic folds to shifts), else the one that reads them from
-/// its parameters.
-pub fn barrier_kernel(spec: &ModelSpec) -> &'static str {
+/// its parameters (always without `compiled_copies`).
+pub fn barrier_kernel(compiled_copies: bool, spec: &ModelSpec) -> &'static str {
     let g = spec.num_attention_heads / spec.num_key_value_heads;
-    if spec.head_dim == 256
-        && g == 8
-        && crate::kernels::compiled_copy_allowed("CALLA_LAB_ATTN_GENERIC")
-    {
+    if spec.head_dim == 256 && g == 8 && compiled_copies {
         "attn_decode_bf16_bar_dh256_g8"
     } else {
         "attn_decode_bf16_bar"
@@ -193,18 +179,19 @@ pub fn barrier_kernel(spec: &ModelSpec) -> &'static str {
 }
 
 /// Whether the bf16 cache's splits merge after a barrier among the splits of a kv head
-/// (attn_decode_bf16_bar, the default) or through two ticketed levels (attn_decode_bf16;
-/// `CALLA_ATTN_MERGE=ticket`, or when not every block of the grid fits on the GPU at once: the
-/// barrier's blocks wait for each other). The check assumes calla's one stream has the SMs to
+/// (attn_decode_bf16_bar, the default) or through two ticketed levels (attn_decode_bf16: without
+/// `KernelChoices::co_resident_grids`, or when not every block of the grid fits on the GPU at once:
+/// the barrier's blocks wait for each other). The check assumes calla's one stream has the SMs to
 /// itself, as it does under time-slicing with other processes; where SMs are partitioned among
-/// processes (MPS), `CALLA_ATTN_MERGE=ticket` needs no co-residency.
+/// processes (MPS, `--shared-gpu`), the ticketed merge needs no co-residency.
 pub fn barrier_merge(gpu: &Gpu, spec: &ModelSpec, nsplit: usize) -> Result<bool> {
-    if std::env::var("CALLA_ATTN_MERGE").as_deref() == Ok("ticket") || nsplit > BARRIER_MAX_SPLITS {
+    let choices = gpu.choices();
+    if !choices.co_resident_grids || nsplit > BARRIER_MAX_SPLITS {
         return Ok(false);
     }
     let kv = KvDtype::Bf16;
     let per_sm = gpu.resident_blocks(
-        barrier_kernel(spec),
+        barrier_kernel(choices.compiled_copies, spec),
         decode_threads(spec, kv) as u32,
         decode_smem(spec, kv) as u32,
     )?;
@@ -251,13 +238,15 @@ pub fn decode(
         rot: spec.rotary_dim as i32,
         max_ctx: max_ctx as i32,
         nsplit: io.nsplit as i32,
-        min_tiles: min_tiles_per_split() as i32,
+        min_tiles: gpu.choices().attn_min_tiles_per_split.max(1) as i32,
         gated: spec.attn_output_gate as i32,
         eps: spec.rms_norm_eps,
         scale: (dh as f32).powf(-0.5),
     };
     let name = match kv {
-        KvDtype::Bf16 if barrier_merge(gpu, spec, io.nsplit)? => barrier_kernel(spec).to_string(),
+        KvDtype::Bf16 if barrier_merge(gpu, spec, io.nsplit)? => {
+            barrier_kernel(gpu.choices().compiled_copies, spec).to_string()
+        }
         _ => format!("attn_decode_{}", kv.suffix()),
     };
     Ok(vec![Launch::new(

@@ -22,6 +22,7 @@ use calla_engine::{Backend, Selection, Sequence, TokenChoice};
 use calla_model::{ModelSpec, Weights};
 
 use crate::attention::{self, KvDtype};
+use crate::choices::KernelChoices;
 use crate::deltanet;
 use crate::forward::{self, Scratch, StateLayout};
 use crate::gpu::{Gpu, Launch, ReadbackSlots};
@@ -66,17 +67,12 @@ pub struct CudaOptions {
     /// split's speed at 8K), split everywhere (≈ f32: prompts agree with the f32 decode path and
     /// the CPU reference to ~1e-5), half or fast everywhere (faster, less exact: docs/performance.md,
     /// "Session 10", "Session 11"), or between, e.g. `PromptPrecision::MIXED` (routed experts fast).
-    /// The MoE router always runs split. `Default` reads [`prompt_precision::ENV`]
-    /// (`CALLA_PROMPT_PRECISION=mixed`: how the parity script tests a policy); an unparsable value
-    /// makes [`CudaBackend::new`] fail.
-    ///
-    /// [`prompt_precision::ENV`]: crate::prompt_precision::ENV
+    /// The MoE router always runs split.
     pub prompt_precision: PromptPrecision,
-    /// Decode each layer as one persistent launch with grid barriers between its phases
-    /// (decode_layer.rs) where the formats allow (q4 projections and experts), instead of the
-    /// chain of ~6 launches. Off by default (measured slower); `CALLA_DECODE=layer` turns it on in
-    /// `Default`.
-    pub fused_layers: bool,
+    /// Which kernel variants the launchers pick: the measured fastest by default;
+    /// [`KernelChoices::shared_gpu`] where the GPU's SMs are partitioned among processes (MPS);
+    /// [`KernelChoices::general`] for the tests of the compiled copies.
+    pub kernels: KernelChoices,
 }
 
 impl Default for CudaOptions {
@@ -88,11 +84,8 @@ impl Default for CudaOptions {
             use_graphs: true,
             progress: false,
             prompt_chunk: 8192,
-            prompt_precision: PromptPrecision::from_env()
-                .ok()
-                .flatten()
-                .unwrap_or_default(),
-            fused_layers: crate::decode_layer::enabled_by_env(),
+            prompt_precision: PromptPrecision::default(),
+            kernels: KernelChoices::default(),
         }
     }
 }
@@ -187,9 +180,8 @@ pub struct CudaBackend {
 impl CudaBackend {
     /// Upload `weights` (any mix of f32/bf16/f16/q4/q8 matrices) and prepare the engine.
     pub fn new(spec: &ModelSpec, weights: &Weights, opts: &CudaOptions) -> Result<CudaBackend> {
-        // a misspelt CALLA_PROMPT_PRECISION fails here instead of silently running split
-        PromptPrecision::from_env()?;
         let gpu = Gpu::new(opts.device)?;
+        gpu.set_choices(opts.kernels);
         deltanet::check_dims(spec)?;
         attention::check_dims(spec)?;
         let mut arena = Arena::new(&gpu, DEFAULT_BLOCK);
@@ -221,7 +213,7 @@ impl CudaBackend {
         weights_arena: Arena,
         opts: &CudaOptions,
     ) -> Result<CudaBackend> {
-        PromptPrecision::from_env()?;
+        gpu.set_choices(opts.kernels);
         tracing::info!(
             "cuda: prompt precision {} (router split)",
             opts.prompt_precision
@@ -232,7 +224,7 @@ impl CudaBackend {
             .max(1);
         let layout = StateLayout::new(spec, max_ctx, opts.kv_cache);
         let mut scratch_arena = Arena::new(&gpu, DEFAULT_BLOCK);
-        let scratch = Scratch::new(&mut scratch_arena, spec, max_ctx, opts.fused_layers)?;
+        let scratch = Scratch::new(&mut scratch_arena, spec, max_ctx)?;
         let selector = Selector::new(&mut scratch_arena, spec.vocab_size, max_ctx + 1)?;
         let body = forward::body_launches(&gpu, spec, &model, &layout, &scratch)?;
         let head = forward::head_launches(&gpu, spec, &model, &scratch)?;
@@ -331,17 +323,7 @@ impl CudaBackend {
     fn decode_launches(&self, fused_greedy: bool) -> Vec<Launch> {
         let mut out = self.body.clone();
         match (&self.head_greedy, fused_greedy) {
-            (Some(l), true) => {
-                out.push(l.clone());
-                // lab: the selection launch inserted at this index too (with the define
-                // SEL_LAB_EMPTY=2 a launch that does nothing), to price one more kernel there
-                if let Some(at) = std::env::var("CALLA_LAB_EXTRA_AT")
-                    .ok()
-                    .and_then(|v| v.parse::<usize>().ok())
-                {
-                    out.insert(at.min(out.len()), self.select_advance.clone());
-                }
-            }
+            (Some(l), true) => out.push(l.clone()),
             _ => {
                 out.extend(self.head.iter().cloned());
                 out.push(self.select_advance.clone());

@@ -139,7 +139,7 @@ pub fn decode_split(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo, split: u32) ->
 pub fn decode_parts(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo) -> Result<Launch> {
     check_dims(spec)?;
     let p = params(spec, io);
-    let name = parts_kernel(spec);
+    let name = parts_kernel(gpu.choices().compiled_copies, spec);
     Launch::new(
         gpu,
         &name,
@@ -152,13 +152,13 @@ pub fn decode_parts(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo) -> Result<Laun
 
 /// The `_parts` kernel for `spec`'s dims: a copy compiled for Qwen3.5/3.6's DeltaNet (Dk = Dv = 128,
 /// 4 conv taps, 2 value heads per key head; its index arithmetic folds away), else the one that
-/// reads them from its parameters.
-pub fn parts_kernel(spec: &ModelSpec) -> String {
+/// reads them from its parameters (always without `compiled_copies`).
+pub fn parts_kernel(compiled_copies: bool, spec: &ModelSpec) -> String {
     let qwen35 = spec.linear_key_head_dim == 128
         && spec.linear_value_head_dim == 128
         && spec.linear_conv_kernel_dim == 4
         && spec.linear_num_value_heads == 2 * spec.linear_num_key_heads;
-    if qwen35 && crate::kernels::compiled_copy_allowed("CALLA_LAB_DN_GENERIC") {
+    if qwen35 && compiled_copies {
         format!("deltanet_decode_kpl4_split{SPLIT}_parts_k4_v128_r2")
     } else {
         format!(
@@ -168,13 +168,7 @@ pub fn parts_kernel(spec: &ModelSpec) -> String {
     }
 }
 
-/// Whether the DeltaNet output norm may move to the out-projection (not with
-/// `CALLA_DN_NORM=deltanet`, which keeps it in the decode kernel, to compare).
-pub fn norm_in_out_projection() -> bool {
-    std::env::var("CALLA_DN_NORM").as_deref() != Ok("deltanet")
-}
-
-/// The decode step's parameters (also phase 2 of the persistent decode layer); the dims must have
+/// The decode step's parameters; the dims must have
 /// passed [`check_dims`].
 pub fn params(spec: &ModelSpec, io: &DeltaNetIo) -> DeltaNetParams {
     let dk = spec.linear_key_head_dim;

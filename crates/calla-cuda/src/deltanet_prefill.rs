@@ -213,15 +213,11 @@ struct DnNormParams {
 /// The chunk transform and the scan run on tensor cores (`prefill_dn_chunk_tc`, then
 /// `prefill_dn_states` and `prefill_dn_out`; 3xbf16, near f32) where the key head dim is a multiple
 /// of 16, the value head dim of 8 and the two sum to at most 256 (the chunk kernel's 8 warps own 4
-/// column tiles of [U | W] each), else on CUDA cores (`prefill_dn_chunk`, `prefill_dn_scan`);
-/// `CALLA_DN_SCAN=simt` picks the CUDA-core kernels everywhere (for A/B measurements). The two
-/// paths' intermediates differ (the tensor-core chunk kernel leaves Aqk's upper blocks unwritten,
+/// column tiles of [U | W] each), else on CUDA cores (`prefill_dn_chunk`, `prefill_dn_scan`). The
+/// two paths' intermediates differ (the tensor-core chunk kernel leaves Aqk's upper blocks unwritten,
 /// which only the tensor-core scan tolerates), so one choice holds for both.
 fn on_tensor_cores(dk: usize, dv: usize) -> bool {
-    dk.is_multiple_of(16)
-        && dv.is_multiple_of(8)
-        && dk + dv <= 256
-        && std::env::var("CALLA_DN_SCAN").as_deref() != Ok("simt")
+    dk.is_multiple_of(16) && dv.is_multiple_of(8) && dk + dv <= 256
 }
 
 /// The launches of one layer's DeltaNet core for `t` tokens at positions `p0..p0+t`.

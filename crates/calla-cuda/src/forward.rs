@@ -8,9 +8,6 @@
 //!               Where the formats allow (q4 out-projection on the tensor cores, q8/q4 router), the
 //!               router runs inside the out-projection (fused routing: moe::fused_route_tail) and
 //!               gate/up takes the top-k from its sums: 5 launches per layer instead of 6.
-//!   With CudaOptions::fused_layers (CALLA_DECODE=layer; off by default: measured slower) and q4
-//!   weights, a layer is instead one persistent launch from the in-projection (DeltaNet) or the
-//!   out-projection (attention) on, with grid barriers between the phases: decode_layer.rs.
 //!   head: logits = lm_head·rmsnorm(h) → select (argmax / sampling, advances the cursor); for plain
 //!         greedy, where lm_head runs on the tensor cores, one launch that also selects
 //!         (matvec::head_greedy)
@@ -107,26 +104,15 @@ pub struct Scratch {
     pub router_counter: DPtr,
     /// the fused routing's accumulators (i64 [moe::route_acc_words], zero between layers)
     pub route_acc: DPtr,
-    /// the persistent decode layer's grid barrier (two zeroed u64 words)
-    pub layer_sync: crate::grid_sync::GridSync,
     pub act: DPtr,
     pub act_stride: usize,
     pub one: DPtr,
     /// [V]
     pub logits: DPtr,
-    /// one persistent launch per layer where the formats allow (decode_layer.rs, opt-in), else the chain
-    pub fused_layers: bool,
-    /// lab (CALLA_LAYER_TIMING=layer): that layer's launch stamps its phases here
-    pub layer_timing: Option<(DPtr, usize)>,
 }
 
 impl Scratch {
-    pub fn new(
-        arena: &mut Arena,
-        spec: &ModelSpec,
-        max_ctx: usize,
-        fused_layers: bool,
-    ) -> Result<Scratch> {
+    pub fn new(arena: &mut Arena, spec: &ModelSpec, max_ctx: usize) -> Result<Scratch> {
         let d = spec.hidden_size;
         let (hq, dh) = (spec.num_attention_heads, spec.head_dim);
         let nsplit = attention::num_splits(max_ctx);
@@ -147,7 +133,6 @@ impl Scratch {
         };
         // a multiple of 32: moe.cu's down kernel stages all slots' rows as one padded vector
         let act_stride = i.max(is).max(1).next_multiple_of(32);
-        let layer_sync = crate::grid_sync::GridSync::new(arena)?;
         let mut f32s = |n: usize| arena.alloc_zeroed(n.max(1) * 4);
         let scratch = Scratch {
             cursor: f32s(4)?,
@@ -176,21 +161,10 @@ impl Scratch {
             shared_w: f32s(1)?,
             router_counter: f32s(1)?,
             route_acc: f32s(2 * crate::moe::route_acc_words(e))?,
-            layer_sync,
             act: f32s((a + 1) * act_stride)?,
             act_stride,
             one: f32s(1)?,
             logits: f32s(spec.vocab_size)?,
-            fused_layers,
-            layer_timing: match crate::decode_layer::timed_layer() {
-                Some(layer) => Some((
-                    f32s(
-                        crate::decode_layer::EVENTS * 2 * crate::decode_layer::MAX_TIMED_BLOCKS * 2,
-                    )?,
-                    layer,
-                )),
-                None => None,
-            },
         };
         arena_upload_one(arena, scratch.one)?;
         Ok(scratch)
@@ -219,7 +193,7 @@ pub fn layer_launches(
             DevMixer::DeltaNet(m) => (&m.out_proj, spec.linear_value_dim()),
             DevMixer::Attention(m) => (&m.o_proj, spec.num_attention_heads * spec.head_dim),
         };
-        moe::fused_route_tail(w, &io, out_proj, k, s.route_acc)
+        moe::fused_route_tail(gpu.choices(), w, &io, out_proj, k, s.route_acc)
     });
     let mut out = mixer_launches_routed(gpu, spec, model, layout, s, i, route.as_ref())?;
     match (&weights, route) {
@@ -275,9 +249,9 @@ fn mixer_launches_routed(
                 nparts: deltanet::SPLIT as usize,
                 eps: spec.rms_norm_eps,
             };
-            let engine = matvec::DotEngine::default_for_run();
-            if deltanet::norm_in_out_projection()
-                && matvec::head_norm_applies(engine, kv, head_norm, &w.out_proj)
+            let choices = gpu.choices();
+            if choices.deltanet_norm_in_out_projection
+                && matvec::head_norm_applies(choices.dot_engine, kv, head_norm, &w.out_proj)
             {
                 // the norm's Σo² parts per block, finished in the out-projection (no
                 // cluster in DeltaNet)
@@ -486,12 +460,6 @@ pub fn body_launches(
     );
     let mut out = vec![matvec::embed(gpu, &model.embed, s.cursor, s.h)?];
     for i in 0..spec.num_layers() {
-        if s.fused_layers {
-            if let Some(l) = crate::decode_layer::layer_launches(gpu, spec, model, layout, s, i)? {
-                out.extend(l);
-                continue;
-            }
-        }
         out.extend(layer_launches(gpu, spec, model, layout, s, i)?);
     }
     Ok(out)

@@ -196,10 +196,9 @@ pub enum TensorCores {
 }
 
 impl TensorCores {
-    /// wgmma where the device has it (sm_90a), unless the lab switch `CALLA_GEMM=mma` asks for the
-    /// portable kernels (to measure one against the other end to end).
+    /// wgmma where the device has it (sm_90a), else the portable mma.sync kernels.
     pub fn for_gpu(gpu: &Gpu) -> TensorCores {
-        if gpu.arch == "sm_90a" && std::env::var("CALLA_GEMM").as_deref() != Ok("mma") {
+        if gpu.arch == "sm_90a" {
             TensorCores::Wgmma
         } else {
             TensorCores::MmaSync

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{result as cu, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
 
+use crate::choices::KernelChoices;
 use crate::kernels;
 use crate::nvrtc;
 use crate::probe;
@@ -52,8 +53,8 @@ pub struct Gpu {
     pub modules_report: Vec<ModuleReport>,
     pub libraries: String,
     modules: HashMap<&'static str, Arc<CudaModule>>,
-    /// kernels::ON_DEMAND modules loaded so far
-    on_demand: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// which kernel variants the launchers pick (CudaOptions; tests switch them)
+    choices: Mutex<KernelChoices>,
     functions: Mutex<HashMap<String, CudaFunction>>,
 }
 
@@ -69,9 +70,6 @@ fn module_of(function: &str) -> Option<&'static str> {
         ("select_", "select"),
         ("penalty_", "select"),
         ("fill_", "fill"),
-        ("grid_sync_", "grid_sync"),
-        ("decode_layer_", "decode_layer"),
-        ("stream_", "lab_stream"),
         ("gemm_", "gemm"),
         ("prefill_dn_", "deltanet_prefill"),
         ("prefill_attn_", "attention_prefill"),
@@ -151,9 +149,26 @@ impl Gpu {
             modules_report,
             libraries: format!("driver: {driver}; nvrtc: {nvrtc_lib}"),
             modules,
-            on_demand: Mutex::new(HashMap::new()),
+            choices: Mutex::new(KernelChoices::default()),
             functions: Mutex::new(HashMap::new()),
         }))
+    }
+
+    /// Which kernel variants the launchers pick.
+    pub fn choices(&self) -> KernelChoices {
+        match self.choices.lock() {
+            Ok(c) => *c,
+            Err(poisoned) => *poisoned.into_inner(),
+        }
+    }
+
+    /// Changes the kernel variants for launches built from now on (already captured graphs keep
+    /// theirs).
+    pub fn set_choices(&self, choices: KernelChoices) {
+        match self.choices.lock() {
+            Ok(mut c) => *c = choices,
+            Err(poisoned) => *poisoned.into_inner() = choices,
+        }
     }
 
     pub fn describe(&self) -> String {
@@ -173,65 +188,15 @@ impl Gpu {
         }
         let module_name =
             module_of(name).ok_or_else(|| anyhow!("no kernel module provides {name}"))?;
-        let module = match self.modules.get(module_name) {
-            Some(m) => m.clone(),
-            None => self.on_demand_module(module_name)?,
-        };
+        let module = self
+            .modules
+            .get(module_name)
+            .ok_or_else(|| anyhow!("the {module_name} kernels are not loaded"))?;
         let f = module
             .load_function(name)
             .with_context(|| format!("kernel {name} not found in its module"))?;
-        // Lab: CALLA_LAB_CARVEOUT=N (percent of the unified L1 given to shared memory) for every
-        // kernel, so consecutive kernels with different shared-memory needs share one split (an SM
-        // changes its split only when idle); CALLA_LAB_CARVEOUT_SKIP=prefix[,prefix…] leaves those
-        // kernels alone (docs/performance.md, sessions 13 and 14).
-        if let Some(pct) = std::env::var("CALLA_LAB_CARVEOUT")
-            .ok()
-            .and_then(|v| v.parse::<i32>().ok())
-        {
-            let skip = std::env::var("CALLA_LAB_CARVEOUT_SKIP").is_ok_and(|list| {
-                list.split(',')
-                    .any(|p| !p.is_empty() && name.starts_with(p))
-            });
-            if !skip {
-                f.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                    pct,
-                )
-                .with_context(|| format!("{name}: shared-memory carveout {pct}%"))?;
-            }
-        }
         map.insert(name.to_string(), f.clone());
         Ok(f)
-    }
-
-    /// A kernels::ON_DEMAND module, compiled (or fetched from the kernel cache) and loaded on first use.
-    fn on_demand_module(&self, module_name: &str) -> Result<Arc<CudaModule>> {
-        let mut loaded = self
-            .on_demand
-            .lock()
-            .map_err(|_| anyhow!("module table poisoned"))?;
-        if let Some(m) = loaded.get(module_name) {
-            return Ok(m.clone());
-        }
-        let k = kernels::ON_DEMAND
-            .iter()
-            .find(|k| k.name == module_name)
-            .ok_or_else(|| anyhow!("no kernel module named {module_name}"))?;
-        let c = nvrtc::compile(k, &self.arch, true)?;
-        tracing::info!(
-            "cuda: {} kernels loaded on first use ({} bytes of CUBIN, {:.1} s{})",
-            k.name,
-            c.cubin.len(),
-            c.seconds,
-            if c.from_cache { ", from the cache" } else { "" }
-        );
-        self.bind()?;
-        let module = self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
-            .with_context(|| format!("loading the {} kernels (CUBIN for {})", k.name, self.arch))?;
-        loaded.insert(k.name, module.clone());
-        Ok(module)
     }
 
     /// The SM clock the device reports (its maximum), in MHz.

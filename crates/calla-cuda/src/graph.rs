@@ -68,8 +68,7 @@ impl StepGraph {
 /// session 13). Other widths are not measured and launch as before.
 /// For every kernel it was slower each way it was built (sessions 5, 7, 13: +343 µs), and per kernel
 /// class it was neutral (gate/up, attention) or slower (down +112 µs, the out-projections +55…+63,
-/// DeltaNet +15), each where the kernel before fills the SMs' registers. Lab: CALLA_PDL=1 for every
-/// kernel that waits, CALLA_PDL=0 for none, CALLA_PDL_ONLY=prefix[,prefix…] for those named.
+/// DeltaNet +15), each where the kernel before fills the SMs' registers.
 const PROGRAMMATIC_BY_DEFAULT: [&str; 1] = ["matvec_tc_q4_c2"];
 
 /// Whether the launch of `kernel` in the decode graph is programmatic (see above).
@@ -77,24 +76,15 @@ pub fn programmatic_launch(kernel: &str) -> bool {
     if !waits_for_predecessor(kernel) {
         return false;
     }
-    if let Ok(list) = std::env::var("CALLA_PDL_ONLY") {
-        return list
-            .split(',')
-            .any(|p| !p.is_empty() && kernel.starts_with(p));
-    }
-    match std::env::var("CALLA_PDL").as_deref() {
-        Ok("1") => true,
-        Ok("0") => false,
-        _ => PROGRAMMATIC_BY_DEFAULT
-            .iter()
-            .any(|p| kernel.starts_with(p)),
-    }
+    PROGRAMMATIC_BY_DEFAULT
+        .iter()
+        .any(|p| kernel.starts_with(p))
 }
 
 /// Kernels that call `griddep_wait()` (common.cuh) before touching anything an earlier kernel
 /// wrote or reads, on every path: only these may start before their predecessor finishes.
 pub fn waits_for_predecessor(kernel: &str) -> bool {
-    const READY: [&str; 10] = [
+    const READY: [&str; 8] = [
         "matvec_",
         "moe_router_",
         "moe_gate_up_",
@@ -103,8 +93,6 @@ pub fn waits_for_predecessor(kernel: &str) -> bool {
         "attn_prep_",
         "attn_decode_",
         "attn_combine",
-        "stream_chain_link", // the chain lab (tests/gpu/stream_floor.rs)
-        "stream_chain_bulk",
     ];
     READY.iter().any(|p| kernel.starts_with(p))
 }

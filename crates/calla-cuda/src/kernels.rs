@@ -26,7 +26,6 @@ pub const DELTANET: KernelSource = kernel_source!("deltanet");
 pub const MOE: KernelSource = kernel_source!("moe");
 pub const SELECT: KernelSource = kernel_source!("select");
 pub const FILL: KernelSource = kernel_source!("fill");
-pub const GRID_SYNC: KernelSource = kernel_source!("grid_sync");
 
 // The modules that use the tensor cores (the prompt path, decode attention and the q4 decode
 // matvec): kernels/mma.cuh
@@ -54,27 +53,6 @@ pub const GEMM: KernelSource = mma_kernel_source!("gemm");
 pub const DELTANET_PREFILL: KernelSource = mma_kernel_source!("deltanet_prefill");
 pub const ATTENTION_PREFILL: KernelSource = mma_kernel_source!("attention_prefill");
 pub const MOE_PREFILL: KernelSource = mma_kernel_source!("moe_prefill");
-/// Lab only: the streaming floor decode kernels are measured against (tests/gpu/stream_floor.rs);
-/// mma.cuh for its mbarrier helpers (the bulk-copy chain link).
-pub const LAB_STREAM: KernelSource = mma_kernel_source!("lab_stream");
-
-/// The persistent decode layer (kernels/decode_layer.cu): its phases are the device functions of the
-/// decode kernels, so their sources come first (with `#line` markers for compiler messages).
-pub const DECODE_LAYER: KernelSource = KernelSource {
-    name: "decode_layer",
-    file: "decode_layer.cu",
-    source: concat!(
-        "#define PHASES_ONLY\n#line 1 \"matvec.cu\"\n",
-        include_str!("../kernels/matvec.cu"),
-        "\n#line 1 \"deltanet.cu\"\n",
-        include_str!("../kernels/deltanet.cu"),
-        "\n#line 1 \"moe.cu\"\n",
-        include_str!("../kernels/moe.cu"),
-        "\n#line 1 \"decode_layer.cu\"\n",
-        include_str!("../kernels/decode_layer.cu")
-    ),
-};
-
 /// The modules every engine loads at start-up, in load order.
 pub const ALL: &[&KernelSource] = &[
     &MATVEC,
@@ -84,22 +62,8 @@ pub const ALL: &[&KernelSource] = &[
     &MOE,
     &SELECT,
     &FILL,
-    &GRID_SYNC,
     &GEMM,
     &DELTANET_PREFILL,
     &ATTENTION_PREFILL,
     &MOE_PREFILL,
 ];
-
-/// Modules compiled and loaded the first time one of their kernels is asked for: the opt-in
-/// persistent decode layer (CALLA_DECODE=layer) and the lab's streaming floor, so that start-up
-/// does not compile them for everyone.
-pub const ON_DEMAND: &[&KernelSource] = &[&DECODE_LAYER, &LAB_STREAM];
-
-/// Whether a launcher may pick a kernel compiled for Qwen3.5/3.6's dims (docs/performance.md,
-/// sessions 18–19) over the general one it was made from: yes unless the lab switch `switch`
-/// (`CALLA_LAB_ATTN_GENERIC`, `_DN_`, `_GATE_UP_`, `_DOWN_`, `_OUT_`, `_SEGMENTS_GENERIC`) is set, which A/B runs
-/// and the GPU test of the copies against the general kernels use.
-pub fn compiled_copy_allowed(switch: &str) -> bool {
-    std::env::var_os(switch).is_none()
-}

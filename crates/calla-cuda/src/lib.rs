@@ -3,14 +3,12 @@
 
 pub mod attention;
 pub mod backend;
-pub mod decode_layer;
+pub mod choices;
 pub mod deltanet;
 pub mod forward;
 pub mod gpu;
 pub mod graph;
-pub mod grid_sync;
 pub mod kernels;
-pub mod lab_stream;
 pub mod matvec;
 pub mod moe;
 pub mod nvrtc;
@@ -31,6 +29,7 @@ pub mod prompt_precision;
 
 pub use attention::KvDtype;
 pub use backend::{CudaBackend, CudaLoadReport, CudaOptions};
+pub use choices::{DotEngine, KernelChoices, RouterPlacement};
 pub use prompt_precision::PromptPrecision;
 pub mod bench;
 pub mod synthetic;

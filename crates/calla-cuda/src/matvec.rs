@@ -3,6 +3,7 @@
 
 use anyhow::{ensure, Result};
 
+pub use crate::choices::DotEngine;
 use crate::gpu::{DPtr, Gpu, Launch};
 use crate::weights::{DevMatrix, Format, MatrixRef};
 
@@ -99,7 +100,7 @@ pub fn matvec(
         norm,
         segments,
         accumulate,
-        DotEngine::default_for_run(),
+        gpu.choices().dot_engine,
     )
 }
 
@@ -200,7 +201,7 @@ pub fn matvec_head_norm(
         "the fused routing runs on the residual (an accumulating product)"
     );
     let name = match route {
-        Some(route) => routed_kernel(k, route, Some(&norm)),
+        Some(route) => routed_kernel(gpu.choices().compiled_copies, k, route, Some(&norm)),
         None => format!("matvec_tc_headnorm_q4_c{}", k / 1024),
     };
     tensor_core_launch(gpu, &name, k, p.total_rows as usize, &tp)
@@ -225,7 +226,7 @@ pub fn matvec_routed(
         route: *route,
         ..Default::default()
     };
-    let name = routed_kernel(k, route, None);
+    let name = routed_kernel(gpu.choices().compiled_copies, k, route, None);
     tensor_core_launch(gpu, &name, k, tp.m.total_rows as usize, &tp)
 }
 
@@ -233,8 +234,8 @@ pub fn matvec_routed(
 /// copy with the segments compiled in where they match, K 2048: Qwen3.5/3.6's in-projections (the
 /// DeltaNet's q|k|v, z, b, a and attention's q+gate, k, v) and any one segment of whole tiles of 16
 /// rows (lm_head) — kernels/matvec_tc.cu `matvec_tc_q4_c2_s*` — else the one that searches its
-/// parameters for a row's segment (always with the lab switch `CALLA_LAB_SEGMENTS_GENERIC`).
-pub fn fixed_rows_kernel(chunks: usize, rows: &[usize]) -> String {
+/// parameters for a row's segment (always without `compiled_copies`).
+pub fn fixed_rows_kernel(compiled_copies: bool, chunks: usize, rows: &[usize]) -> String {
     let layout = match (chunks, rows) {
         (2, [8192, 4096, 32, 32]) => Some("_s8192_4096_32_32"),
         (2, [8192, 512, 512]) => Some("_s8192_512_512"),
@@ -242,7 +243,7 @@ pub fn fixed_rows_kernel(chunks: usize, rows: &[usize]) -> String {
         _ => None,
     };
     match layout {
-        Some(l) if crate::kernels::compiled_copy_allowed("CALLA_LAB_SEGMENTS_GENERIC") => {
+        Some(l) if compiled_copies => {
             format!("matvec_tc_q4_c{chunks}{l}")
         }
         _ => format!("matvec_tc_q4_c{chunks}"),
@@ -264,7 +265,7 @@ pub struct GreedyHeadParams {
 /// lm_head (`out = W·rmsnorm(x)·gain`, one segment) that also chooses the next token by plain greedy
 /// and publishes it into `token` as the selection kernel would, with `selector`'s partials and ticket
 /// (kernels/matvec_tc.cu `matvec_tc_q4_c2_s1_greedy`), where that kernel takes the matrix: q4 on the tensor cores, K 2048,
-/// rows a multiple of 16, and the lab switch `CALLA_LAB_SELECT_SEPARATE` unset. Else None, and the
+/// rows a multiple of 16, with `KernelChoices::greedy_head`. Else None, and the
 /// decode step keeps the selection launch for plain greedy as for every other mode.
 pub fn head_greedy(
     gpu: &Gpu,
@@ -276,10 +277,11 @@ pub fn head_greedy(
     token: crate::select::TokenOut,
 ) -> Result<Option<Launch>> {
     let segments = [head];
-    if DotEngine::default_for_run() != DotEngine::TensorCores
+    let choices = gpu.choices();
+    if choices.dot_engine != DotEngine::TensorCores
         || tensor_core_chunks(k, &segments) != Some(2)
-        || fixed_rows_kernel(2, &[head.0.rows]) != "matvec_tc_q4_c2_s1"
-        || !crate::kernels::compiled_copy_allowed("CALLA_LAB_SELECT_SEPARATE")
+        || fixed_rows_kernel(choices.compiled_copies, 2, &[head.0.rows]) != "matvec_tc_q4_c2_s1"
+        || !choices.greedy_head
     {
         return Ok(None);
     }
@@ -302,8 +304,13 @@ pub fn head_greedy(
 /// The out-projection kernel with the fused routing `route` over K `k` inputs, with the DeltaNet head
 /// norm `norm` or without: a copy compiled for Qwen3.5/3.6 where it applies (K 4096, a q8 router over
 /// 256 experts, heads of 128 with 8 parts: kernels/matvec_tc.cu `*_e256_q8*`), else the one that
-/// reads them from its parameters (always with the lab switch `CALLA_LAB_OUT_GENERIC`).
-pub fn routed_kernel(k: usize, route: &crate::moe::RouteTail, norm: Option<&HeadNorm>) -> String {
+/// reads them from its parameters (always without `compiled_copies`).
+pub fn routed_kernel(
+    compiled_copies: bool,
+    k: usize,
+    route: &crate::moe::RouteTail,
+    norm: Option<&HeadNorm>,
+) -> String {
     let kind = if norm.is_some() {
         "headnorm_route"
     } else {
@@ -313,7 +320,7 @@ pub fn routed_kernel(k: usize, route: &crate::moe::RouteTail, norm: Option<&Head
         && route.e == 256
         && route.bits == 8
         && norm.is_none_or(|n| n.head_dim == 128 && n.nparts == 8);
-    if qwen35 && crate::kernels::compiled_copy_allowed("CALLA_LAB_OUT_GENERIC") {
+    if qwen35 && compiled_copies {
         let hd = if norm.is_some() { "_hd128" } else { "" };
         format!("matvec_tc_{kind}_q4_c4_e256_q8{hd}")
     } else {
@@ -322,32 +329,9 @@ pub fn routed_kernel(k: usize, route: &crate::moe::RouteTail, norm: Option<&Head
 }
 
 /// The dynamic shared memory of a kernels/matvec_tc.cu matvec: x̂'s B fragments (hi, lo) and Σx̂ per
-/// group; with the bulk-copy lab (`TcStages`) also the weight stages after them (STAGES tiles of 16
-/// rows, each row's codes and parameters at a pitch 64 and 16 bytes beyond their size), whose size
-/// the kernel checks against its own.
+/// group.
 fn tensor_core_smem(k: usize) -> usize {
-    // Lab (kernel define MTC_BULK=1): CALLA_LAB_TC_BULK=1 sizes the stages, CALLA_LAB_TC_STAGES=n
-    // their number (with MTC_BULK_STAGES=n), CALLA_LAB_TC_BULK_MAX_K=2048 leaves K = 4096 without.
-    let max_k = std::env::var("CALLA_LAB_TC_BULK_MAX_K")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok());
-    if std::env::var("CALLA_LAB_TC_BULK").as_deref() != Ok("1") || max_k.is_some_and(|m| k > m) {
-        return 4 * k + k / 16;
-    }
-    let cw = k / 1024;
-    let stages = match (
-        std::env::var("CALLA_LAB_TC_STAGES")
-            .ok()
-            .and_then(|v| v.parse().ok()),
-        cw,
-    ) {
-        (Some(n), _) => n, // lab, with MTC_BULK_STAGES
-        (None, 1) => 4,
-        (None, 2) => 3,
-        (None, _) => 2,
-    };
-    let offset = (4160 * cw).div_ceil(128) * 128;
-    offset + stages * 16 * ((512 * cw + 64) + (64 * cw + 16))
+    4 * k + k / 16
 }
 
 /// A kernels/matvec_tc.cu matvec launch: 16-row tiles over a grid of at most the blocks that fit at
@@ -360,40 +344,12 @@ fn tensor_core_launch<P: Copy>(
     params: &P,
 ) -> Result<Launch> {
     let smem = tensor_core_smem(k) as u32;
-    let mut resident = gpu.resident_blocks(name, THREADS, smem)?;
-    // Lab: CALLA_LAB_TC_RESIDENT=N caps the blocks per SM.
-    if let Some(cap) = std::env::var("CALLA_LAB_TC_RESIDENT")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    {
-        resident = resident.min(cap.max(1));
-    }
+    let resident = gpu.resident_blocks(name, THREADS, smem)?;
     let grid = rows
         .div_ceil(16)
         .min(gpu.sm_count as usize * resident)
         .max(1);
     Launch::new(gpu, name, (grid as u32, 1, 1), THREADS, smem, params)
-}
-
-/// Which dot-product engine a q4 matvec runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DotEngine {
-    /// kernels/matvec.cu: CUDA-core dot products, every format and width
-    Rows,
-    /// kernels/matvec_tc.cu: q4 (group 64, bf16 parameters) on the tensor cores, K = 1024·{1, 2, 4}
-    TensorCores,
-}
-
-impl DotEngine {
-    /// The tensor cores wherever they take the matrix, unless the lab switch `CALLA_MATVEC=rows`
-    /// asks for the CUDA-core kernels (to measure one against the other end to end).
-    pub fn default_for_run() -> DotEngine {
-        if std::env::var("CALLA_MATVEC").as_deref() == Ok("rows") {
-            DotEngine::Rows
-        } else {
-            DotEngine::TensorCores
-        }
-    }
 }
 
 /// Whether kernels/matvec_tc.cu reads `m`: q4 codes in groups of 64 with bf16 (scale, bias).
@@ -423,7 +379,7 @@ fn matvec_one(
     if engine == DotEngine::TensorCores {
         if let Some(chunks) = tensor_core_chunks(k, segments) {
             let rows: Vec<usize> = segments.iter().map(|(m, _)| m.rows).collect();
-            let name = fixed_rows_kernel(chunks, &rows);
+            let name = fixed_rows_kernel(gpu.choices().compiled_copies, chunks, &rows);
             return tensor_core_launch(gpu, &name, k, p.total_rows as usize, &p);
         }
     }
@@ -445,8 +401,7 @@ fn matvec_one(
     Launch::new(gpu, &name, (grid as u32, 1, 1), THREADS, smem, &p)
 }
 
-/// The parameters of one matvec launch over `segments` (one format, at most 4; also phases 1 and 3
-/// of the persistent decode layer).
+/// The parameters of one matvec launch over `segments` (one format, at most 4).
 pub fn params(
     x: DPtr,
     k: usize,

@@ -3,9 +3,9 @@
 
 use anyhow::{ensure, Result};
 
+use crate::choices::{DotEngine, KernelChoices, RouterPlacement};
 use crate::gpu::{DPtr, Gpu, Launch};
-use crate::grid_sync::GridSync;
-use crate::matvec::{tensor_core_format, DotEngine};
+use crate::matvec::tensor_core_format;
 use crate::weights::Format;
 use crate::weights::{DevMatrix, MatrixRef};
 
@@ -219,7 +219,7 @@ fn gate_up_launch(
     if tensor_core_gate_up(engine, d, routed.map(|r| r.0), shared) {
         // kernels/matvec_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
         // blocks that fit at once
-        let name = gate_up_kernel(d, i, is, a, route.as_ref());
+        let name = gate_up_kernel(gpu.choices().compiled_copies, d, i, is, a, route.as_ref());
         let smem = (4 * d + d / 16) as u32;
         let resident = gpu.sm_count as usize * gpu.resident_blocks(&name, THREADS, smem)?;
         let tiles = n.div_ceil(8) * nslots;
@@ -261,6 +261,7 @@ fn gate_up_launch(
 /// intermediate 512 for the experts and the shared expert, selecting in every block; its selection
 /// loops and tile arithmetic fold), else the one that reads the dims from its parameters.
 pub fn gate_up_kernel(
+    compiled_copies: bool,
     d: usize,
     i: usize,
     is: usize,
@@ -272,7 +273,7 @@ pub fn gate_up_kernel(
         && is == 512
         && a == 8
         && route.is_some_and(|r| r.e == 256 && r.a == 8);
-    if qwen35 && crate::kernels::compiled_copy_allowed("CALLA_LAB_GATE_UP_GENERIC") {
+    if qwen35 && compiled_copies {
         "matvec_tc_gate_up_q4_c2_e256_a8_i512".to_string()
     } else {
         format!("matvec_tc_gate_up_q4_c{}", d / 1024)
@@ -281,10 +282,17 @@ pub fn gate_up_kernel(
 
 /// The tensor-core down kernel for D `d`, top-`a` and the experts' and shared expert's intermediate
 /// sizes (None: no such slot): a copy compiled for Qwen3.5/3.6's MoE (D 2048, top-8, 512; its chunk →
-/// slot arithmetic folds), else the one that reads them from its parameters.
-pub fn down_kernel(d: usize, a: usize, i: Option<usize>, is: Option<usize>) -> &'static str {
+/// slot arithmetic folds), else the one that reads them from its parameters (always without
+/// `compiled_copies`).
+pub fn down_kernel(
+    compiled_copies: bool,
+    d: usize,
+    a: usize,
+    i: Option<usize>,
+    is: Option<usize>,
+) -> &'static str {
     let qwen35 = d == 2048 && a == 8 && i.is_none_or(|i| i == 512) && is.is_none_or(|is| is == 512);
-    if qwen35 && crate::kernels::compiled_copy_allowed("CALLA_LAB_DOWN_GENERIC") {
+    if qwen35 && compiled_copies {
         "matvec_tc_down_q4_a8_i512_d2048"
     } else {
         "matvec_tc_down_q4"
@@ -359,20 +367,19 @@ fn down_launch(
         && shared.is_none_or(|s| q4_tc(s.0))
         && chunks <= TC_DOWN_CHUNKS
     {
-        // Lab: CALLA_LAB_DOWN_SMEM_MIN=bytes pads the shared memory so that at most one block fits
-        // per SM (with CALLA_LAB_CARVEOUT), to see whether programmatic launch loses by packing a
-        // dependent's early blocks onto the SMs that free up first (docs/performance.md, session 14).
-        let smem_min = std::env::var("CALLA_LAB_DOWN_SMEM_MIN")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(0);
-        let name = down_kernel(d, a, routed.map(|r| r.0.cols), shared.map(|s| s.0.cols));
+        let name = down_kernel(
+            gpu.choices().compiled_copies,
+            d,
+            a,
+            routed.map(|r| r.0.cols),
+            shared.map(|s| s.0.cols),
+        );
         return Launch::new(
             gpu,
             name,
             (d.div_ceil(16) as u32, 1, 1),
             THREADS,
-            (chunks * (512 + 8)).max(smem_min) as u32, // B registers + Σ per group
+            (chunks * (512 + 8)) as u32, // B registers + Σ per group
             &p,
         );
     }
@@ -392,12 +399,7 @@ fn down_launch(
     )
 }
 
-/// The router launch's parameters (also phase 4 of the persistent decode layer).
-fn router_params(w: &MoeWeightsRef, io: &MoeIo) -> RouterParams {
-    router_params_selecting(w, io, true)
-}
-
-/// [`router_params`]; `selects` false: no ticket, the router only leaves the logits (the
+/// The router launch's parameters; `selects` false: no ticket, the router only leaves the logits (the
 /// tensor-core gate/up selects).
 fn router_params_selecting(w: &MoeWeightsRef, io: &MoeIo, selects: bool) -> RouterParams {
     RouterParams {
@@ -450,7 +452,7 @@ pub fn router_launch(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, selects: bool) ->
 /// The sparse MoE block: router+top-k, gate/up, down+combine+residual (3 launches when the shared
 /// expert has the routed experts' format; 5 otherwise).
 pub fn moe(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo) -> Result<Vec<Launch>> {
-    moe_on(gpu, w, io, DotEngine::default_for_run(), None)
+    moe_on(gpu, w, io, gpu.choices().dot_engine, None)
 }
 
 /// The MoE block after an out-projection that ran the router ([`fused_route_tail`] with the same
@@ -462,14 +464,7 @@ pub fn moe_after_fused_routing(
     io: &MoeIo,
     acc: DPtr,
 ) -> Result<Vec<Launch>> {
-    moe_on(gpu, w, io, DotEngine::default_for_run(), Some(acc))
-}
-
-/// Where the router runs: the lab switch `CALLA_ROUTER` = `ticket` (its own launch, whose last block
-/// selects), `launch` (its own launch; every gate/up block selects), else fused into the
-/// out-projection where the formats allow ([`fused_route_tail`]).
-fn router_mode() -> String {
-    std::env::var("CALLA_ROUTER").unwrap_or_default()
+    moe_on(gpu, w, io, gpu.choices().dot_engine, Some(acc))
 }
 
 /// The fused routing for layer weights `w` after an out-projection `out_proj` of `k` inputs, when it
@@ -477,16 +472,17 @@ fn router_mode() -> String {
 /// rows, D % 16 == 0), a q8 or q4 router with bf16 parameters in groups of a multiple of 16, and
 /// gate/up selecting on the tensor cores. `acc`: [`route_acc_words`] zeroed i64 words.
 pub fn fused_route_tail(
+    choices: KernelChoices,
     w: &MoeWeightsRef,
     io: &MoeIo,
     out_proj: &DevMatrix,
     k: usize,
     acc: DPtr,
 ) -> Option<RouteTail> {
-    let engine = DotEngine::default_for_run();
+    let engine = choices.dot_engine;
     let d = w.router.cols;
     let r = w.router;
-    let applies = router_mode().is_empty()
+    let applies = choices.router == RouterPlacement::Fused
         && engine == DotEngine::TensorCores
         && tensor_core_format(out_proj)
         && matches!(k, 1024 | 2048 | 4096)
@@ -497,7 +493,7 @@ pub fn fused_route_tail(
         && !r.param_f32
         && r.group_size >= 16
         && r.group_size.is_multiple_of(16)
-        && gate_up_selects(w, engine);
+        && gate_up_selects(w, engine, choices.router);
     applies.then(|| RouteTail {
         router: r.kref(),
         gain: io.norm_gain.0,
@@ -520,12 +516,12 @@ fn shared_same_format(w: &MoeWeightsRef) -> Option<bool> {
 
 /// Whether the top-k is taken in every block of the tensor-core gate/up (it runs the routed experts;
 /// the router then needs no ticket: docs/performance.md, session 6), not in the router's last block.
-fn gate_up_selects(w: &MoeWeightsRef, engine: DotEngine) -> bool {
+fn gate_up_selects(w: &MoeWeightsRef, engine: DotEngine, router: RouterPlacement) -> bool {
     let first_shared = w
         .shared
         .filter(|_| shared_same_format(w) == Some(true))
         .map(|s| s.0);
-    router_mode() != "ticket"
+    router != RouterPlacement::Ticket
         && tensor_core_gate_up(engine, w.router.cols, Some(w.gate_up), first_shared)
 }
 
@@ -552,7 +548,7 @@ fn moe_on(
     );
     crate::matvec::check_staged_input(d, true)?;
     let same = shared_same_format(w);
-    let selects = gate_up_selects(w, engine);
+    let selects = gate_up_selects(w, engine, gpu.choices().router);
     ensure!(
         fused.is_none() || selects,
         "fused routing needs the tensor-core gate/up to select"
@@ -705,7 +701,7 @@ pub fn dense_mlp(
             None,
             Some(gate_up),
             (0, 1),
-            DotEngine::default_for_run(),
+            gpu.choices().dot_engine,
             None,
             Default::default(),
         )?,
@@ -716,94 +712,8 @@ pub fn dense_mlp(
             Some((down, io.one)),
             0,
             (0, 1),
-            DotEngine::default_for_run(),
+            gpu.choices().dot_engine,
             None,
         )?,
     ])
-}
-
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct MoePersistentParams {
-    pub r: RouterParams,
-    pub g: GateUpParams,
-    pub d: DownParams,
-    pub sync: GridSync,
-}
-
-/// Floats of shared memory the persistent MoE phases need: x̂ with the router's and the experts'
-/// unit sums (router, gate/up), then the slots' activations with theirs (down), in the same bytes.
-pub fn persistent_smem_floats(w: &MoeWeightsRef, io: &MoeIo, slots: usize) -> usize {
-    let d = w.router.cols;
-    (crate::matvec::xpad_len(d) + d / w.router.format.per_unit() + d / 32)
-        .max(slots * (crate::matvec::xpad_len(io.act_stride) + io.act_stride / 32))
-}
-
-/// The parameters of the persistent decode layer's MoE phases (4–6, decode_layer.cu), or
-/// None when the formats have no persistent kernel: router q8 or q4, routed and shared experts q4
-/// with one group size (a multiple of 32).
-pub fn persistent_params(
-    w: &MoeWeightsRef,
-    io: &MoeIo,
-    sync: GridSync,
-) -> Result<Option<MoePersistentParams>> {
-    let d = w.router.cols;
-    let (e, a) = (w.experts, w.top_k);
-    let expert_q4 = |m: &DevMatrix| m.format == Format::Q4 && m.group_size == w.gate_up.group_size;
-    let shared_ok = w
-        .shared
-        .is_none_or(|(gu, dn)| expert_q4(gu) && expert_q4(dn));
-    if !(matches!(w.router.format, Format::Q8 | Format::Q4)
-        && expert_q4(w.gate_up)
-        && expert_q4(w.down)
-        && shared_ok
-        && e <= MAX_EXPERTS
-        && a <= MAX_ACTIVE
-        && a <= e
-        && w.gate_up.group_size.is_multiple_of(32)
-        && io.act_stride.is_multiple_of(32))
-    {
-        return Ok(None);
-    }
-    crate::matvec::check_staged_input(d, true)?;
-    let i = w.gate_up.rows / (2 * e);
-    ensure!(
-        w.gate_up.rows == 2 * e * i && w.down.rows == e * d && w.down.cols == i,
-        "expert shapes inconsistent"
-    );
-    let is = w.shared.map(|(gu, _)| gu.rows / 2).unwrap_or(0);
-    let slots = a + w.shared.is_some() as usize;
-    let group_size = w.gate_up.group_size.max(1) as i32;
-    let p = MoePersistentParams {
-        r: router_params(w, io),
-        g: GateUpParams {
-            experts: w.gate_up.kref(),
-            shared: w.shared.map(|(gu, _)| gu.kref()).unwrap_or_default(),
-            act: io.act.0,
-            d: d as i32,
-            i: i as i32,
-            is: is as i32,
-            a: a as i32,
-            group_size,
-            act_stride: io.act_stride as i32,
-            ..Default::default()
-        },
-        d: DownParams {
-            act: io.act.0,
-            experts: w.down.kref(),
-            shared: w.shared.map(|(_, dn)| dn.kref()).unwrap_or_default(),
-            h: io.h.0,
-            d: d as i32,
-            i: i as i32,
-            is: is as i32,
-            a: a as i32,
-            group_size,
-            act_stride: io.act_stride as i32,
-            slot_begin: 0,
-            slot_end: slots as i32,
-            ..Default::default()
-        },
-        sync,
-    };
-    Ok(Some(p))
 }

@@ -72,15 +72,6 @@ fn full_source(k: &KernelSource) -> String {
 fn options(arch: &str) -> Vec<String> {
     let mut o: Vec<String> = BASE_OPTIONS.iter().map(|s| s.to_string()).collect();
     o.push(format!("--gpu-architecture={arch}"));
-    // CALLA_NVRTC_DEFINES=A,B=1 adds -DA -DB=1: switches for kernel experiments (the lab variants
-    // in common.cuh); part of the options, so of the cache key too.
-    if let Ok(defs) = std::env::var("CALLA_NVRTC_DEFINES") {
-        o.extend(
-            defs.split(',')
-                .filter(|d| !d.trim().is_empty())
-                .map(|d| format!("-D{}", d.trim())),
-        );
-    }
     o
 }
 
@@ -224,7 +215,7 @@ pub fn compile_all(arch: &str) -> Result<Vec<String>> {
         probe::nvrtc_library()?
     )];
     let mut failures = Vec::new();
-    for k in crate::kernels::ALL.iter().chain(crate::kernels::ON_DEMAND) {
+    for k in crate::kernels::ALL.iter() {
         match compile(k, arch, false) {
             Ok(c) => {
                 lines.push(format!(

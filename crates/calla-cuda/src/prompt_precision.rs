@@ -27,7 +27,7 @@ use std::str::FromStr;
 use crate::gemm::Precision;
 use crate::weights::Format;
 
-/// The environment variable `CudaOptions::default()` (and the CLI) read the policy from.
+/// The environment variable the CLI's `--prompt-precision` flag also reads (the library reads none).
 pub const ENV: &str = "CALLA_PROMPT_PRECISION";
 
 /// A weight product of the prompt path.
@@ -138,26 +138,6 @@ impl PromptPrecision {
     pub fn resolve(&self, product: Product, format: Format) -> Precision {
         self.choice(product)
             .unwrap_or_else(|| Precision::for_format(format))
-    }
-
-    /// The policy named by [`ENV`]: None when unset or empty, an error naming the variable when
-    /// it does not parse.
-    pub fn from_env() -> anyhow::Result<Option<PromptPrecision>> {
-        Self::from_env_value(std::env::var(ENV))
-    }
-
-    /// [`from_env`](Self::from_env) for a given lookup result.
-    pub fn from_env_value(
-        value: Result<String, std::env::VarError>,
-    ) -> anyhow::Result<Option<PromptPrecision>> {
-        match value {
-            Ok(v) if !v.trim().is_empty() => v
-                .parse()
-                .map(Some)
-                .map_err(|e| anyhow::anyhow!("{ENV}={v:?}: {e}")),
-            Ok(_) | Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(e) => anyhow::bail!("{ENV}: {e}"),
-        }
     }
 
     fn slot(&mut self, group: &str) -> Option<Vec<&mut Option<Precision>>> {
@@ -559,21 +539,6 @@ mod tests {
         assert!(e.contains("router") && e.contains("shared"), "{e}");
         assert!("".parse::<PromptPrecision>().is_err());
         assert!(" , ".parse::<PromptPrecision>().is_err());
-    }
-
-    #[test]
-    fn the_environment_value_is_optional_but_must_parse() {
-        use std::env::VarError;
-        let from = PromptPrecision::from_env_value;
-        assert_eq!(from(Err(VarError::NotPresent)).unwrap(), None);
-        assert_eq!(from(Ok(" ".to_string())).unwrap(), None);
-        assert_eq!(
-            from(Ok("mixed".to_string())).unwrap(),
-            Some(PromptPrecision::MIXED)
-        );
-        let e = from(Ok("mixd".to_string())).unwrap_err().to_string();
-        assert!(e.contains(ENV) && e.contains("mixd"), "{e}");
-        assert!(from(Err(VarError::NotUnicode("x".into()))).is_err());
     }
 
     #[test]

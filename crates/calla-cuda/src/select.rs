@@ -235,13 +235,13 @@ impl Selector {
     /// The grid draw's subtree size (log2), where every block of the launch fits on the device at
     /// once (its blocks wait for each other); else 0, and the last block draws alone. As for
     /// attention's merge (attention.rs `barrier_merge`), the check assumes calla's stream has the SMs
-    /// to itself; where SMs are partitioned among processes (MPS), `CALLA_SELECT_DRAW=last-block`
-    /// needs no co-residency.
+    /// to itself; where SMs are partitioned among processes (MPS, `--shared-gpu`: no
+    /// `KernelChoices::co_resident_grids`), the last-block draw needs no co-residency.
     fn grid_draw(&self, gpu: &Gpu) -> Result<i32> {
         let Some(log2) = self.subtree else {
             return Ok(0);
         };
-        if std::env::var("CALLA_SELECT_DRAW").as_deref() == Ok("last-block") {
+        if !gpu.choices().co_resident_grids {
             return Ok(0);
         }
         let per_sm = gpu.resident_blocks("select_token", THREADS, self.smem() as u32)?;

@@ -9,7 +9,7 @@ use calla_cuda::forward;
 use calla_cuda::matvec::{self, DotEngine};
 use calla_cuda::pool::Arena;
 use calla_cuda::sequence::CudaSequence;
-use calla_cuda::{CudaBackend, CudaOptions, KvDtype};
+use calla_cuda::{CudaBackend, CudaOptions, KernelChoices, KvDtype, RouterPlacement};
 use calla_engine::Backend;
 use calla_model::load::Quant;
 use calla_model::{
@@ -284,6 +284,7 @@ fn rig(
             max_context: Some(ctx),
             kv_cache: kv,
             use_graphs: false,
+            kernels: kernel_choices(),
             ..Default::default()
         },
     )
@@ -339,10 +340,14 @@ fn run_deltanet_mixer(
     gpu.htod(be.scratch.h, x).unwrap();
     be.set_cursor(cs, pos, 0).unwrap();
     // the kernel's own norm (the engine moves it to the out-projection where that applies)
-    std::env::set_var("CALLA_DN_NORM", "deltanet");
+    let choices = gpu.choices();
+    gpu.set_choices(KernelChoices {
+        deltanet_norm_in_out_projection: false,
+        ..choices
+    });
     let mut launches =
         forward::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap();
-    std::env::remove_var("CALLA_DN_NORM");
+    gpu.set_choices(choices);
     let io =
         forward::deltanet_io(&be.model, &be.layout, &be.scratch, layer).expect("a DeltaNet layer");
     let at = launches
@@ -852,7 +857,7 @@ fn attention_prefilled_case(
     let base = seq.as_any().downcast_ref::<CudaSequence>().unwrap().base();
     let (k_off, v_off) = be.layout.layers[layer];
     let grid = be.scratch.nsplit;
-    let min_tiles = calla_cuda::attention::min_tiles_per_split();
+    let min_tiles = gpu.choices().attn_min_tiles_per_split;
     let mut all = true;
     for &pos in positions {
         assert!(pos < ctx);
@@ -1055,57 +1060,68 @@ fn attention_decode_prefilled_long_context() {
     }
     // The ticketed merge (attn_decode_bf16; the barrier merge is the default) on the
     // same tiny and real checks.
-    std::env::set_var("CALLA_ATTN_MERGE", "ticket");
+    let ticketed = KernelChoices {
+        co_resident_grids: false,
+        ..KernelChoices::default()
+    };
     let w = random_weights(&tiny, None, 71);
-    all &= attention_prefilled_case(
-        "attn prefilled tiny Bf16, ticketed merge",
-        &tiny,
-        &w,
-        6000,
-        KvDtype::Bf16,
-        &split_change_positions(calla_cuda::attention::num_splits(6000), 6000),
-        1e-4,
-        2e-2,
-    );
-    all &= attention_prefilled_case(
-        "attn prefilled real Bf16, ticketed merge",
-        real,
-        wr,
-        ctx,
-        KvDtype::Bf16,
-        &positions,
-        1e-4,
-        2e-2,
-    );
-    std::env::remove_var("CALLA_ATTN_MERGE");
-    // Two tiles per split at least (CALLA_ATTN_MIN_TILES, read when the launches are built): the
-    // same tiny checks with the other split policy.
-    std::env::set_var("CALLA_ATTN_MIN_TILES", "2");
+    all &= with_kernel_choices(ticketed, || {
+        attention_prefilled_case(
+            "attn prefilled tiny Bf16, ticketed merge",
+            &tiny,
+            &w,
+            6000,
+            KvDtype::Bf16,
+            &split_change_positions(calla_cuda::attention::num_splits(6000), 6000),
+            1e-4,
+            2e-2,
+        )
+    });
+    all &= with_kernel_choices(ticketed, || {
+        attention_prefilled_case(
+            "attn prefilled real Bf16, ticketed merge",
+            real,
+            wr,
+            ctx,
+            KvDtype::Bf16,
+            &positions,
+            1e-4,
+            2e-2,
+        )
+    });
+    // Two tiles per split at least (read when the launches are built): the same tiny checks with
+    // the other split policy.
+    let min_tiles = |n| KernelChoices {
+        attn_min_tiles_per_split: n,
+        ..KernelChoices::default()
+    };
     let w = random_weights(&tiny, None, 73);
-    all &= attention_prefilled_case(
-        "attn prefilled tiny min 2 tiles",
-        &tiny,
-        &w,
-        6000,
-        KvDtype::F32,
-        &split_change_positions(128, 6000),
-        1e-4,
-        1e-4,
-    );
+    all &= with_kernel_choices(min_tiles(2), || {
+        attention_prefilled_case(
+            "attn prefilled tiny min 2 tiles",
+            &tiny,
+            &w,
+            6000,
+            KvDtype::F32,
+            &split_change_positions(128, 6000),
+            1e-4,
+            1e-4,
+        )
+    });
     // Five tiles per split at least, bf16: several laps of the bf16 kernel's tile ring at tiny
     // dims, splits of 5 and 6 tiles, the last one partial.
-    std::env::set_var("CALLA_ATTN_MIN_TILES", "5");
-    all &= attention_prefilled_case(
-        "attn prefilled tiny min 5 tiles bf16",
-        &tiny,
-        &w,
-        6000,
-        KvDtype::Bf16,
-        &split_change_positions(128, 6000),
-        1e-4,
-        2e-2,
-    );
-    std::env::remove_var("CALLA_ATTN_MIN_TILES");
+    all &= with_kernel_choices(min_tiles(5), || {
+        attention_prefilled_case(
+            "attn prefilled tiny min 5 tiles bf16",
+            &tiny,
+            &w,
+            6000,
+            KvDtype::Bf16,
+            &split_change_positions(128, 6000),
+            1e-4,
+            2e-2,
+        )
+    });
     assert!(all);
 }
 
@@ -1222,8 +1238,15 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
                 };
                 let s = &be.scratch;
                 let k = spec.num_attention_heads * spec.head_dim;
-                let tail = calla_cuda::moe::fused_route_tail(&mw, &io, &m.o_proj, k, s.route_acc)
-                    .expect("the fused routing applies at the real shape");
+                let tail = calla_cuda::moe::fused_route_tail(
+                    gpu.choices(),
+                    &mw,
+                    &io,
+                    &m.o_proj,
+                    k,
+                    s.route_acc,
+                )
+                .expect("the fused routing applies at the real shape");
                 gpu.htod(s.at_y, &rng.normal_vec(k, 1.0)).unwrap();
                 gpu.htod(io.h, &x).unwrap();
                 let words = calla_cuda::moe::route_acc_words(e);
@@ -1250,13 +1273,17 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
                     .map(|i| sum(i) as f32 * (1.0 / 4294967296.0) * inv)
                     .collect::<Vec<f32>>()
             } else {
-                if mode == "ticket" {
-                    std::env::set_var("CALLA_ROUTER", "ticket");
-                } else {
-                    std::env::set_var("CALLA_ROUTER", "launch");
-                }
+                let choices = gpu.choices();
+                gpu.set_choices(KernelChoices {
+                    router: if mode == "ticket" {
+                        RouterPlacement::Ticket
+                    } else {
+                        RouterPlacement::InGateUp
+                    },
+                    ..choices
+                });
                 let launches = calla_cuda::moe::moe(&gpu, &mw, &io).unwrap();
-                std::env::remove_var("CALLA_ROUTER");
+                gpu.set_choices(choices);
                 gpu.htod(io.h, &x).unwrap();
                 for l in &launches[..2] {
                     l.run(&gpu).unwrap(); // router, then gate/up
@@ -1353,24 +1380,31 @@ fn moe_and_mlp_against_cpu() {
     let (real, w) = real_two_layers();
     all &= ffn_case("moe q4 (real dims, 256 experts)", real, w, 2e-4);
     // the same on the CUDA-core kernels (the tensor-core gate/up is the default where it applies)
-    std::env::set_var("CALLA_MATVEC", "rows");
-    all &= ffn_case("moe q4 (real dims, 256 experts), CUDA cores", real, w, 2e-4);
-    std::env::remove_var("CALLA_MATVEC");
+    let rows = KernelChoices {
+        dot_engine: DotEngine::Rows,
+        ..KernelChoices::default()
+    };
+    all &= with_kernel_choices(rows, || {
+        ffn_case("moe q4 (real dims, 256 experts), CUDA cores", real, w, 2e-4)
+    });
     // and with the ticket router (the cluster router is the default on sm_90+)
-    std::env::set_var("CALLA_ROUTER", "ticket");
-    all &= ffn_case(
-        "moe q4 (real dims, 256 experts), ticket router",
-        real,
-        w,
-        2e-4,
-    );
-    all &= ffn_case(
-        "moe router+top-k+experts f32, ticket router",
-        &tiny,
-        &random_weights(&tiny, None, 71),
-        1e-4,
-    );
-    std::env::remove_var("CALLA_ROUTER");
+    let ticket = KernelChoices {
+        router: RouterPlacement::Ticket,
+        ..KernelChoices::default()
+    };
+    all &= with_kernel_choices(ticket, || {
+        ffn_case(
+            "moe q4 (real dims, 256 experts), ticket router",
+            real,
+            w,
+            2e-4,
+        ) & ffn_case(
+            "moe router+top-k+experts f32, ticket router",
+            &tiny,
+            &random_weights(&tiny, None, 71),
+            1e-4,
+        )
+    });
     assert!(all);
 }
 
@@ -1413,8 +1447,9 @@ fn fused_routing_matches_the_router_launch() {
                 None,
             ),
         };
-        let tail = calla_cuda::moe::fused_route_tail(&mw, &io, out_proj, k, s.route_acc)
-            .expect("the fused routing applies at the real shape");
+        let tail =
+            calla_cuda::moe::fused_route_tail(gpu.choices(), &mw, &io, out_proj, k, s.route_acc)
+                .expect("the fused routing applies at the real shape");
         let out_launch = |route: Option<&calla_cuda::moe::RouteTail>| match (head_norm, route) {
             (Some(hn), r) => {
                 matvec::matvec_head_norm(&gpu, y, k, hn, &(*out_proj, s.h), true, r).unwrap()
@@ -1482,9 +1517,13 @@ fn fused_routing_matches_the_router_launch() {
             // the router's own launch
             gpu.htod(s.h, &h0).unwrap();
             out_launch(None).run(&gpu).unwrap();
-            std::env::set_var("CALLA_ROUTER", "launch");
+            let choices = gpu.choices();
+            gpu.set_choices(KernelChoices {
+                router: RouterPlacement::InGateUp,
+                ..choices
+            });
             let launches = calla_cuda::moe::moe(&gpu, &mw, &io).unwrap();
-            std::env::remove_var("CALLA_ROUTER");
+            gpu.set_choices(choices);
             for l in launches {
                 l.run(&gpu).unwrap();
             }
