@@ -14,12 +14,12 @@ use calla_model::{FeedForwardSpec, LayerKind, ModelSpec, Weights};
 use cudarc::driver::sys;
 use serde::Serialize;
 
-use crate::backend::{CudaBackend, CudaOptions};
-use crate::gpu::Gpu;
-use crate::pool::{Arena, DEFAULT_BLOCK};
-use crate::sequence::CudaSequence;
+use crate::engine::backend::{CudaBackend, CudaOptions};
+use crate::engine::sequence::CudaSequence;
+use crate::ops::weights::{self, DevFfn, DevMatrix, DevMixer, DevModel, Format};
+use crate::runtime::gpu::Gpu;
+use crate::runtime::pool::{Arena, DEFAULT_BLOCK};
 use crate::synthetic;
-use crate::weights::{self, DevFfn, DevMatrix, DevMixer, DevModel, Format};
 use crate::KvDtype;
 
 /// What is benchmarked.
@@ -396,8 +396,8 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         }
         BenchModel::Checkpoint { weights, .. } => {
             // The steps of CudaBackend::new, with the upload's progress drawn by the caller.
-            crate::deltanet::check_dims(spec)?;
-            crate::attention::check_dims(spec)?;
+            crate::ops::deltanet::check_dims(spec)?;
+            crate::ops::attention::check_dims(spec)?;
             progress.begin("uploading weights to the GPU", 0, true);
             let report = |done: usize, total: usize| progress.set(done as u64, total as u64);
             let m = weights::upload_model(&gpu, &mut arena, spec, weights, Some(&report))?;

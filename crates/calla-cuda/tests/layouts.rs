@@ -5,7 +5,9 @@ use std::mem::size_of;
 
 #[test]
 fn parameter_structs_match_the_kernels() {
-    use calla_cuda::*;
+    use calla_cuda::engine::backend;
+    use calla_cuda::ops::*;
+    use calla_cuda::synthetic;
     let sizes = [
         ("MatrixRef", size_of::<weights::MatrixRef>(), 32),
         ("MatvecParams", size_of::<matvec::MatvecParams>(), 232),

@@ -5,10 +5,10 @@
 //! general kernel computes is checked on the GPU: the real-shape digests are the same with and
 //! without `KernelChoices::compiled_copies`, and every kernel test runs against the CPU reference.
 
-use calla_cuda::kernels::{KernelSource, ATTENTION, DELTANET, MATVEC_TC};
-use calla_cuda::matvec::HeadNorm;
-use calla_cuda::moe::{RouteParams, RouteTail};
-use calla_cuda::{attention, deltanet, matvec, moe};
+use calla_cuda::ops::matvec::HeadNorm;
+use calla_cuda::ops::moe::{RouteParams, RouteTail};
+use calla_cuda::runtime::kernels::{KernelSource, ATTENTION, DELTANET, MATVEC_TC};
+use calla_cuda::ops::{attention, deltanet, matvec, moe};
 use calla_model::synthetic::preset;
 
 /// Whether `src` defines `extern "C" __global__ … name(`.
@@ -52,7 +52,7 @@ const DN_NORM: HeadNorm = HeadNorm {
     eps: 1e-6,
 };
 
-/// The DeltaNet in-projection's segments as forward.rs stacks them: q|k|v (the conv channels), z, b, a.
+/// The DeltaNet in-projection's segments as engine/decode.rs stacks them: q|k|v (the conv channels), z, b, a.
 fn deltanet_in_rows(spec: &calla_model::ModelSpec) -> Vec<usize> {
     let hv = spec.linear_num_value_heads;
     vec![spec.linear_conv_dim(), spec.linear_value_dim(), hv, hv]

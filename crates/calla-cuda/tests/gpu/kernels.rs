@@ -4,11 +4,11 @@ use calla_cpu::attention::{Attention, KvCache};
 use calla_cpu::deltanet::{DeltaNet, DeltaNetState, Rule};
 use calla_cpu::linear::Linear;
 use calla_cpu::moe::FeedForward;
-use calla_cuda::deltanet;
-use calla_cuda::forward;
-use calla_cuda::matvec::{self, DotEngine};
-use calla_cuda::pool::Arena;
-use calla_cuda::sequence::CudaSequence;
+use calla_cuda::engine::decode;
+use calla_cuda::engine::sequence::CudaSequence;
+use calla_cuda::ops::deltanet;
+use calla_cuda::ops::matvec::{self, DotEngine};
+use calla_cuda::runtime::pool::Arena;
 use calla_cuda::{CudaBackend, CudaOptions, KernelChoices, KvDtype, RouterPlacement};
 use calla_engine::Backend;
 use calla_model::load::Quant;
@@ -244,7 +244,7 @@ fn embedding_gather_every_format() {
         let cursor = arena.alloc_zeroed(16).unwrap();
         let out = arena.alloc_zeroed(d * 4).unwrap();
         for token in [0usize, 517, 999] {
-            let c = calla_cuda::backend::Cursor {
+            let c = calla_cuda::engine::backend::Cursor {
                 state_base: 0,
                 pos: 0,
                 token: token as i32,
@@ -305,7 +305,7 @@ fn run_mixer(
     let cs = seq.as_any().downcast_ref::<CudaSequence>().unwrap();
     gpu.htod(be.scratch.h, x).unwrap();
     be.set_cursor(cs, pos, 0).unwrap();
-    for l in forward::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap()
+    for l in decode::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap()
     {
         l.run(&gpu).unwrap();
     }
@@ -315,7 +315,7 @@ fn run_mixer(
 fn run_ffn(be: &mut CudaBackend, spec: &ModelSpec, layer: usize, x: &[f32]) -> Vec<f32> {
     let gpu = be.gpu().clone();
     gpu.htod(be.scratch.h, x).unwrap();
-    for l in forward::ffn_launches(&gpu, spec, &be.model, &be.scratch, layer).unwrap() {
+    for l in decode::ffn_launches(&gpu, spec, &be.model, &be.scratch, layer).unwrap() {
         l.run(&gpu).unwrap();
     }
     download(&gpu, be.scratch.h, x.len())
@@ -346,10 +346,10 @@ fn run_deltanet_mixer(
         ..choices
     });
     let mut launches =
-        forward::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap();
+        decode::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap();
     gpu.set_choices(choices);
     let io =
-        forward::deltanet_io(&be.model, &be.layout, &be.scratch, layer).expect("a DeltaNet layer");
+        decode::deltanet_io(&be.model, &be.layout, &be.scratch, layer).expect("a DeltaNet layer");
     let at = launches
         .iter()
         .position(|l| l.name.starts_with("deltanet_decode"))
@@ -681,7 +681,12 @@ fn round_kv(x: f32, kv: KvDtype) -> f32 {
     }
 }
 
-fn upload_kv(gpu: &calla_cuda::gpu::Gpu, dst: calla_cuda::gpu::DPtr, x: &[f32], kv: KvDtype) {
+fn upload_kv(
+    gpu: &calla_cuda::runtime::gpu::Gpu,
+    dst: calla_cuda::runtime::gpu::DPtr,
+    x: &[f32],
+    kv: KvDtype,
+) {
     match kv {
         KvDtype::F32 => gpu.htod(dst, x).unwrap(),
         KvDtype::Bf16 => {
@@ -695,8 +700,8 @@ fn upload_kv(gpu: &calla_cuda::gpu::Gpu, dst: calla_cuda::gpu::DPtr, x: &[f32], 
 }
 
 fn download_kv(
-    gpu: &calla_cuda::gpu::Gpu,
-    src: calla_cuda::gpu::DPtr,
+    gpu: &calla_cuda::runtime::gpu::Gpu,
+    src: calla_cuda::runtime::gpu::DPtr,
     n: usize,
     kv: KvDtype,
 ) -> Vec<f32> {
@@ -870,7 +875,7 @@ fn attention_prefilled_case(
             got_out = run_mixer(&mut be, spec, seq.as_ref(), layer, pos, &x);
             ys.push(download(&gpu, be.scratch.at_y, hq * dh));
         }
-        let splits = calla_cuda::attention::live_splits(pos, grid, min_tiles);
+        let splits = calla_cuda::ops::attention::live_splits(pos, grid, min_tiles);
         let shape = format!("Hq{hq} Hkv{hkv} Dh{dh} p{pos} ({splits}/{grid} splits)");
         let same = ys[0]
             .iter()
@@ -954,7 +959,7 @@ fn attention_prefilled_case(
 /// and the ends: 0, 1, each side of a tile boundary, of the first second-level merge (17 tiles),
 /// of every split live (nsplit tiles), of uneven splits, and the last position of the cache.
 fn split_change_positions(nsplit: usize, ctx: usize) -> Vec<usize> {
-    let t = calla_cuda::attention::TILE;
+    let t = calla_cuda::ops::attention::TILE;
     let mut p = vec![0, 1, t - 1, t, t + 1, 2 * t];
     for tiles in [
         16,
@@ -982,7 +987,7 @@ fn attention_decode_prefilled_long_context() {
     let w = random_weights(&tiny, None, 71);
     // grid 128 splits (8 merge groups) at tiny dims
     let ctx = 6000;
-    let nsplit = calla_cuda::attention::num_splits(ctx);
+    let nsplit = calla_cuda::ops::attention::num_splits(ctx);
     for kv in [KvDtype::F32, KvDtype::Bf16] {
         all &= attention_prefilled_case(
             &format!("attn prefilled tiny {kv:?}"),
@@ -1012,7 +1017,7 @@ fn attention_decode_prefilled_long_context() {
             &w,
             ctx,
             kv,
-            &split_change_positions(calla_cuda::attention::num_splits(ctx), ctx),
+            &split_change_positions(calla_cuda::ops::attention::num_splits(ctx), ctx),
             1e-4,
             if kv == KvDtype::F32 { 1e-4 } else { 2e-2 },
         );
@@ -1034,7 +1039,7 @@ fn attention_decode_prefilled_long_context() {
             &w,
             ctx,
             kv,
-            &split_change_positions(calla_cuda::attention::num_splits(ctx), ctx),
+            &split_change_positions(calla_cuda::ops::attention::num_splits(ctx), ctx),
             1e-4,
             if kv == KvDtype::F32 { 1e-4 } else { 2e-2 },
         );
@@ -1072,7 +1077,7 @@ fn attention_decode_prefilled_long_context() {
             &w,
             6000,
             KvDtype::Bf16,
-            &split_change_positions(calla_cuda::attention::num_splits(6000), 6000),
+            &split_change_positions(calla_cuda::ops::attention::num_splits(6000), 6000),
             1e-4,
             2e-2,
         )
@@ -1196,15 +1201,15 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
     // an attention layer's MoE: its plain out-projection also runs the fused routing below
     let layer = (0..spec.num_layers())
         .find(|&i| {
-            forward::moe_weights(&be.model, spec, i).is_some()
+            decode::moe_weights(&be.model, spec, i).is_some()
                 && matches!(
                     be.model.layers[i].mixer,
-                    calla_cuda::weights::DevMixer::Attention(_)
+                    calla_cuda::ops::weights::DevMixer::Attention(_)
                 )
         })
         .expect("an attention layer with an MoE");
-    let mw = forward::moe_weights(&be.model, spec, layer).unwrap();
-    let io = forward::moe_io(&be.model, spec, &be.scratch, layer);
+    let mw = decode::moe_weights(&be.model, spec, layer).unwrap();
+    let io = decode::moe_io(&be.model, spec, &be.scratch, layer);
     let (e, a, d) = (mw.experts, mw.top_k, mw.router.cols);
     let r = mw.router.kref();
     let rb = r.row_bytes as usize;
@@ -1232,13 +1237,14 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
             let logits = if mode == "fused" {
                 // the attention out-projection over a random y runs the router into the
                 // accumulators; gate/up selects from them (logits = sums · 2⁻³² / rms)
-                let calla_cuda::weights::DevMixer::Attention(m) = &be.model.layers[layer].mixer
+                let calla_cuda::ops::weights::DevMixer::Attention(m) =
+                    &be.model.layers[layer].mixer
                 else {
                     unreachable!()
                 };
                 let s = &be.scratch;
                 let k = spec.num_attention_heads * spec.head_dim;
-                let tail = calla_cuda::moe::fused_route_tail(
+                let tail = calla_cuda::ops::moe::fused_route_tail(
                     gpu.choices(),
                     &mw,
                     &io,
@@ -1249,20 +1255,21 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
                 .expect("the fused routing applies at the real shape");
                 gpu.htod(s.at_y, &rng.normal_vec(k, 1.0)).unwrap();
                 gpu.htod(io.h, &x).unwrap();
-                let words = calla_cuda::moe::route_acc_words(e);
+                let words = calla_cuda::ops::moe::route_acc_words(e);
                 gpu.memset_zero(s.route_acc, 8 * words).unwrap();
                 matvec::matvec_routed(&gpu, s.at_y, k, &(m.o_proj, s.h), &tail)
                     .unwrap()
                     .run(&gpu)
                     .unwrap();
                 let launches =
-                    calla_cuda::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc).unwrap();
+                    calla_cuda::ops::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc)
+                        .unwrap();
                 launches[0].run(&gpu).unwrap(); // gate/up only: the accumulators stay
                 let mut acc = vec![0i64; words];
                 gpu.dtoh(s.route_acc, &mut acc).unwrap();
-                let stride = words / calla_cuda::moe::ROUTE_COPIES;
+                let stride = words / calla_cuda::ops::moe::ROUTE_COPIES;
                 let sum = |i: usize| {
-                    (0..calla_cuda::moe::ROUTE_COPIES)
+                    (0..calla_cuda::ops::moe::ROUTE_COPIES)
                         .map(|c| acc[c * stride + i])
                         .sum::<i64>()
                 };
@@ -1282,7 +1289,7 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
                     },
                     ..choices
                 });
-                let launches = calla_cuda::moe::moe(&gpu, &mw, &io).unwrap();
+                let launches = calla_cuda::ops::moe::moe(&gpu, &mw, &io).unwrap();
                 gpu.set_choices(choices);
                 gpu.htod(io.h, &x).unwrap();
                 for l in &launches[..2] {
@@ -1424,11 +1431,11 @@ fn fused_routing_matches_the_router_launch() {
     let mut rng = Rng::new(131);
     let mut all = true;
     for layer in 0..spec.num_layers() {
-        let mw = forward::moe_weights(&be.model, spec, layer).expect("an MoE layer");
-        let io = forward::moe_io(&be.model, spec, s, layer);
+        let mw = decode::moe_weights(&be.model, spec, layer).expect("an MoE layer");
+        let io = decode::moe_io(&be.model, spec, s, layer);
         let (e, a) = (mw.experts, mw.top_k);
         let (kind, out_proj, k, y, head_norm) = match &be.model.layers[layer].mixer {
-            calla_cuda::weights::DevMixer::DeltaNet(m) => (
+            calla_cuda::ops::weights::DevMixer::DeltaNet(m) => (
                 "DeltaNet out-projection (head norm)",
                 &m.out_proj,
                 spec.linear_value_dim(),
@@ -1439,7 +1446,7 @@ fn fused_routing_matches_the_router_launch() {
                     eps: spec.rms_norm_eps,
                 }),
             ),
-            calla_cuda::weights::DevMixer::Attention(m) => (
+            calla_cuda::ops::weights::DevMixer::Attention(m) => (
                 "attention out-projection",
                 &m.o_proj,
                 spec.num_attention_heads * spec.head_dim,
@@ -1447,10 +1454,17 @@ fn fused_routing_matches_the_router_launch() {
                 None,
             ),
         };
-        let tail =
-            calla_cuda::moe::fused_route_tail(gpu.choices(), &mw, &io, out_proj, k, s.route_acc)
-                .expect("the fused routing applies at the real shape");
-        let out_launch = |route: Option<&calla_cuda::moe::RouteTail>| match (head_norm, route) {
+        let tail = calla_cuda::ops::moe::fused_route_tail(
+            gpu.choices(),
+            &mw,
+            &io,
+            out_proj,
+            k,
+            s.route_acc,
+        )
+        .expect("the fused routing applies at the real shape");
+        let out_launch = |route: Option<&calla_cuda::ops::moe::RouteTail>| match (head_norm, route)
+        {
             (Some(hn), r) => {
                 matvec::matvec_head_norm(&gpu, y, k, hn, &(*out_proj, s.h), true, r).unwrap()
             }
@@ -1464,8 +1478,8 @@ fn fused_routing_matches_the_router_launch() {
         };
         let router = cpu_moe.router.to_f32();
         let shared_gate = cpu_moe.shared_expert_gate.as_ref().map(|g| g.to_f32());
-        let acc_words = calla_cuda::moe::route_acc_words(e);
-        let stride = acc_words / calla_cuda::moe::ROUTE_COPIES;
+        let acc_words = calla_cuda::ops::moe::route_acc_words(e);
+        let stride = acc_words / calla_cuda::ops::moe::ROUTE_COPIES;
         let (mut h_got, mut h_want, mut l_got, mut l_want) = (vec![], vec![], vec![], vec![]);
         let (mut same_ids, mut total, mut cleared) = (0usize, 0usize, true);
         for _ in 0..8 {
@@ -1486,7 +1500,7 @@ fn fused_routing_matches_the_router_launch() {
             let mut acc = vec![0i64; acc_words];
             gpu.dtoh(s.route_acc, &mut acc).unwrap();
             let sum = |i: usize| {
-                (0..calla_cuda::moe::ROUTE_COPIES)
+                (0..calla_cuda::ops::moe::ROUTE_COPIES)
                     .map(|c| acc[c * stride + i])
                     .sum::<i64>()
             };
@@ -1505,7 +1519,8 @@ fn fused_routing_matches_the_router_launch() {
                 l_got.push((sum(e) as f64 / 4294967296.0 * inv) as f32);
                 l_want.push((0..d).map(|c| g[c] * xn[c]).sum::<f32>());
             }
-            for l in calla_cuda::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc).unwrap()
+            for l in
+                calla_cuda::ops::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc).unwrap()
             {
                 l.run(&gpu).unwrap();
             }
@@ -1522,7 +1537,7 @@ fn fused_routing_matches_the_router_launch() {
                 router: RouterPlacement::InGateUp,
                 ..choices
             });
-            let launches = calla_cuda::moe::moe(&gpu, &mw, &io).unwrap();
+            let launches = calla_cuda::ops::moe::moe(&gpu, &mw, &io).unwrap();
             gpu.set_choices(choices);
             for l in launches {
                 l.run(&gpu).unwrap();

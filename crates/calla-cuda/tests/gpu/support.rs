@@ -2,9 +2,9 @@
 
 use std::sync::{Arc, OnceLock};
 
-use calla_cuda::gpu::{DPtr, Gpu};
-use calla_cuda::pool::Arena;
-use calla_cuda::weights::{DevMatrix, Uploader};
+use calla_cuda::ops::weights::{DevMatrix, Uploader};
+use calla_cuda::runtime::gpu::{DPtr, Gpu};
+use calla_cuda::runtime::pool::Arena;
 use calla_cuda::KernelChoices;
 use calla_model::load::Quant;
 use calla_model::{LayerKind, Matrix, ModelSpec, Weights};

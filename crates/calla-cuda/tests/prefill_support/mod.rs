@@ -6,10 +6,10 @@
 use std::sync::{Arc, OnceLock};
 
 use calla_cpu::random::{quantise_affine, Rng};
-use calla_cuda::gemm::Planes;
-use calla_cuda::gpu::{DPtr, Gpu, Launch};
-use calla_cuda::pool::Arena;
-use calla_cuda::weights::{DevMatrix, Uploader};
+use calla_cuda::ops::gemm::Planes;
+use calla_cuda::ops::weights::{DevMatrix, Uploader};
+use calla_cuda::runtime::gpu::{DPtr, Gpu, Launch};
+use calla_cuda::runtime::pool::Arena;
 use calla_model::{
     AttentionWeights, Blob, DType, DeltaNetWeights, FeedForwardSpec, FeedForwardWeights, LayerKind,
     LayerWeights, Matrix, MatrixData, MixerWeights, MlpWeights, ModelSpec, MoeWeights, Weights,

@@ -14,6 +14,8 @@
 //! memory (the position's parity), so the device goes from one token to the next without waiting
 //! for the host, and nothing is queued between two steps to copy a result out.
 
+mod prompt;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,18 +23,18 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use calla_engine::{Backend, Selection, Sequence, TokenChoice};
 use calla_model::{ModelSpec, Weights};
 
-use crate::attention::{self, KvDtype};
-use crate::choices::KernelChoices;
-use crate::deltanet;
-use crate::forward::{self, Scratch, StateLayout};
-use crate::gpu::{Gpu, Launch, ReadbackSlots};
-use crate::graph::StepGraph;
-use crate::pool::{Arena, DEFAULT_BLOCK};
-use crate::prefill;
-use crate::prompt_precision::PromptPrecision;
-use crate::select::{SelectResult, Selector};
-use crate::sequence::{CudaSequence, FailedSnapshot};
-use crate::weights::{self, DevModel};
+use crate::engine::decode::{self, Scratch, StateLayout};
+use crate::ops::attention::{self, KvDtype};
+use crate::ops::deltanet;
+use crate::runtime::choices::KernelChoices;
+use crate::runtime::gpu::{Gpu, Launch, ReadbackSlots};
+use crate::runtime::graph::StepGraph;
+use crate::runtime::pool::{Arena, DEFAULT_BLOCK};
+
+use crate::engine::sequence::{CudaSequence, FailedSnapshot};
+use crate::ops::prompt_precision::PromptPrecision;
+use crate::ops::select::{SelectResult, Selector};
+use crate::ops::weights::{self, DevModel};
 
 /// The K/V cache element type when the caller does not choose (CudaOptions::default, `calla bench`).
 /// bf16: half the bytes of f32 (0.67 GB instead of 1.35 at 32K positions of the real shape), what
@@ -54,11 +56,11 @@ pub struct CudaOptions {
     pub use_graphs: bool,
     /// Print an upload progress bar on stderr.
     pub progress: bool,
-    /// Prompt tokens per batched prefill chunk (prefill_layer.rs); 0 runs prompts token by token
+    /// Prompt tokens per batched prefill chunk (engine/prefill.rs); 0 runs prompts token by token
     /// through the decode chain. 8192 by default: at 2048 each of 256 experts gets ~64 rows, half
     /// a GEMM tile (docs/performance.md, "Prefill optimisations"). The scratch is made for the
-    /// prompts seen (prefill.rs `scratch_rows`), at most min(chunk, max_context) tokens, with
-    /// buffers of different phases sharing bytes (prefill_layer.rs): 0.74 GB at 8192 tokens of the
+    /// prompts seen (backend/prompt.rs `scratch_rows`), at most min(chunk, max_context) tokens, with
+    /// buffers of different phases sharing bytes (engine/prefill.rs): 0.74 GB at 8192 tokens of the
     /// real shape (+ 67 MB of residual rows), 2.9 GB before plans.
     pub prompt_chunk: usize,
     /// Precision of the batched prompt's weight products (and of flash attention over an f32
@@ -90,7 +92,7 @@ impl Default for CudaOptions {
     }
 }
 
-/// The device cursor (kernels/common.cuh `Cursor`).
+/// The device cursor (common.cuh `Cursor`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Cursor {
@@ -170,8 +172,8 @@ pub struct CudaBackend {
     pub report: CudaLoadReport,
     pub(crate) prompt_chunk: usize,
     pub(crate) prompt_precision: PromptPrecision,
-    /// the batched prompt path (with its own arena), made on the first prompt (prefill.rs)
-    pub(crate) prompt: Option<prefill::PromptPath>,
+    /// the batched prompt path (with its own arena), made on the first prompt (backend/prompt.rs)
+    pub(crate) prompt: Option<prompt::PromptPath>,
     // Arenas last: dropped after everything that points into them.
     _scratch_arena: Arena,
     _weights_arena: Arena,
@@ -226,8 +228,8 @@ impl CudaBackend {
         let mut scratch_arena = Arena::new(&gpu, DEFAULT_BLOCK);
         let scratch = Scratch::new(&mut scratch_arena, spec, max_ctx)?;
         let selector = Selector::new(&mut scratch_arena, spec.vocab_size, max_ctx + 1)?;
-        let body = forward::body_launches(&gpu, spec, &model, &layout, &scratch)?;
-        let head = forward::head_launches(&gpu, spec, &model, &scratch)?;
+        let body = decode::body_launches(&gpu, spec, &model, &layout, &scratch)?;
+        let head = decode::head_launches(&gpu, spec, &model, &scratch)?;
         let readback = ReadbackSlots::new(&gpu, 2)?;
         let select_advance = selector.launch(
             &gpu,
@@ -236,7 +238,7 @@ impl CudaBackend {
             true,
             Some(readback.device_ptr()),
         )?;
-        let head_greedy = forward::head_greedy_launch(
+        let head_greedy = decode::head_greedy_launch(
             &gpu,
             spec,
             &model,
@@ -429,7 +431,7 @@ impl CudaBackend {
         self.check_tokens(seq, tokens)?;
         self.selector.prepare(&self.gpu, sel)?;
         let (prompt, last) = tokens.split_at(tokens.len() - 1);
-        prefill::run_prompt_tokens(self, seq, prompt)?;
+        prompt::run_prompt_tokens(self, seq, prompt)?;
         let pos = seq.len + prompt.len();
         self.set_cursor(seq, pos, last[0])?;
         let slot = self.queue_decode(pos)?;
@@ -647,7 +649,7 @@ impl Backend for CudaBackend {
         let seq = cuda_sequence(seq)?;
         ensure!(!seq.ran_ahead, RAN_AHEAD);
         self.check_tokens(seq, tokens)?;
-        prefill::run_prompt_tokens(self, seq, tokens)?;
+        prompt::run_prompt_tokens(self, seq, tokens)?;
         self.run_logits()?;
         let mut logits = vec![0f32; self.spec.vocab_size];
         self.gpu.dtoh(self.scratch.logits, &mut logits)?;

@@ -1,4 +1,4 @@
-//! Launcher for kernels/deltanet_prefill.cu: the Gated DeltaNet core of a prompt (conv + L2 norm,
+//! Launcher for deltanet_prefill.cu: the Gated DeltaNet core of a prompt (conv + L2 norm,
 //! conv-ring update, per-chunk UT transform, the sequential chunk scan, gated RMSNorm), reading and
 //! advancing the decode path's state (conv ring `[K, C]`, S `[Hv, Dv, Dk]`, both f32).
 //!
@@ -8,8 +8,8 @@
 use anyhow::{ensure, Result};
 use calla_model::ModelSpec;
 
-use crate::gemm::Planes;
-use crate::gpu::{DPtr, Gpu, Launch};
+use crate::ops::gemm::Planes;
+use crate::runtime::gpu::{DPtr, Gpu, Launch};
 
 pub const CHUNK: usize = 64;
 const MAX_K: usize = 8;
@@ -424,7 +424,7 @@ mod tests {
     use super::*;
     use std::mem::size_of;
 
-    /// The sizes the kernels' `static_assert`s state (kernels/deltanet_prefill.cu).
+    /// The sizes the kernels' `static_assert`s state (deltanet_prefill.cu).
     #[test]
     fn parameter_structs_match_the_kernels() {
         assert_eq!(size_of::<DnConvParams>(), 72);

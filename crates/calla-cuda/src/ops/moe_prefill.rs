@@ -1,4 +1,4 @@
-//! Launcher for the MoE block of a prompt: kernels/moe_prefill.cu (top-A routing, counting sort,
+//! Launcher for the MoE block of a prompt: moe_prefill.cu (top-A routing, counting sort,
 //! tile map, combine) around gemm.cu launches (router; grouped gate/up with SwiGLU; grouped down;
 //! the shared expert with its sigmoid gate as a per-row scale). Eight launches, nothing read back.
 //! Also the dense SwiGLU MLP (Qwen3.5 dense).
@@ -9,11 +9,11 @@
 use anyhow::{ensure, Result};
 use calla_model::{FeedForwardSpec, ModelSpec};
 
-use crate::gemm::{self, Gemm, GemmOut, Grouped, Planes, Precision};
-use crate::gpu::{DPtr, Gpu, Launch};
-use crate::pool::{Region, ScratchPlan, ALWAYS};
-use crate::prompt_precision::{Product, PromptPrecision};
-use crate::weights::{DevMlp, DevMoe};
+use crate::ops::gemm::{self, Gemm, GemmOut, Grouped, Planes, Precision};
+use crate::ops::prompt_precision::{Product, PromptPrecision};
+use crate::ops::weights::{DevMlp, DevMoe};
+use crate::runtime::gpu::{DPtr, Gpu, Launch};
+use crate::runtime::pool::{Region, ScratchPlan, ALWAYS};
 
 pub const MAX_EXPERTS: usize = 1024;
 const TOKENS_PER_BLOCK: usize = 8;

@@ -9,9 +9,9 @@
 /// Which dot-product engine a q4 matvec runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DotEngine {
-    /// kernels/matvec.cu: CUDA-core dot products, every format and width
+    /// matvec.cu: CUDA-core dot products, every format and width
     Rows,
-    /// kernels/matvec_tc.cu: q4 (group 64, bf16 parameters) on the tensor cores, K = 1024·{1, 2, 4}
+    /// matvec_tc.cu: q4 (group 64, bf16 parameters) on the tensor cores, K = 1024·{1, 2, 4}
     TensorCores,
 }
 

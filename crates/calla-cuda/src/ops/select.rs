@@ -1,11 +1,11 @@
-//! Launcher for kernels/select.cu: token selection on the device (calla_engine::sampling rules),
+//! Launcher for select.cu: token selection on the device (calla_engine::sampling rules),
 //! plus the device-side state it reads: the per-request configuration and the penalty tables.
 
 use anyhow::{bail, ensure, Result};
 use calla_engine::{Selection, TokenChoice};
 
-use crate::gpu::{DPtr, Gpu, Launch};
-use crate::pool::Arena;
+use crate::runtime::gpu::{DPtr, Gpu, Launch};
+use crate::runtime::pool::Arena;
 
 pub const THREADS: u32 = 256;
 pub const MAX_LOGPROBS: usize = 20;

@@ -16,8 +16,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::nvrtc::sys as nv;
 use sha2::{Digest, Sha256};
 
-use crate::kernels::{KernelSource, COMMON_HEADER};
-use crate::probe;
+use crate::runtime::kernels::{KernelSource, COMMON_HEADER};
+use crate::runtime::probe;
 
 /// Options every module is compiled with (the arch is added per device).
 const BASE_OPTIONS: &[&str] = &[
@@ -215,7 +215,7 @@ pub fn compile_all(arch: &str) -> Result<Vec<String>> {
         probe::nvrtc_library()?
     )];
     let mut failures = Vec::new();
-    for k in crate::kernels::ALL.iter() {
+    for k in crate::runtime::kernels::ALL.iter() {
         match compile(k, arch, false) {
             Ok(c) => {
                 lines.push(format!(

@@ -1,13 +1,13 @@
-//! Launcher for kernels/moe.cu: router + top-k on the device, routed and shared gate/up, down with
+//! Launcher for moe.cu: router + top-k on the device, routed and shared gate/up, down with
 //! the weighted combine and the residual add. Also the dense SwiGLU MLP (one "shared" slot).
 
 use anyhow::{ensure, Result};
 
-use crate::choices::{DotEngine, KernelChoices, RouterPlacement};
-use crate::gpu::{DPtr, Gpu, Launch};
-use crate::matvec::tensor_core_format;
-use crate::weights::Format;
-use crate::weights::{DevMatrix, MatrixRef};
+use crate::ops::matvec::tensor_core_format;
+use crate::ops::weights::Format;
+use crate::ops::weights::{DevMatrix, MatrixRef};
+use crate::runtime::choices::{DotEngine, KernelChoices, RouterPlacement};
+use crate::runtime::gpu::{DPtr, Gpu, Launch};
 
 pub const THREADS: u32 = 256;
 pub const MAX_EXPERTS: usize = 1024;
@@ -86,20 +86,7 @@ pub fn route_acc_words(e: usize) -> usize {
     ROUTE_COPIES * (e + 2).next_multiple_of(16)
 }
 
-/// The fused routing's producer side (matvec_tc.cu RouteTail): the router's rows, applied by the
-/// out-projection's blocks to the rows of h they finish (`matvec_tc_*route_q4_c*`).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RouteTail {
-    pub router: MatrixRef,
-    pub gain: u64,
-    pub shared_gate: u64,
-    pub acc: u64,
-    pub e: i32,
-    pub bits: i32,
-    pub group_size: i32,
-    pub pad: i32,
-}
+pub use crate::ops::matvec::RouteTail;
 
 /// The tensor-core gate/up's parameters (matvec_tc.cu TcGateUpParams): with `route.logits` set,
 /// every block selects the top-k itself and the router runs without its ticket.
@@ -191,7 +178,7 @@ fn gate_up_launch(
         .map(|r| r.0.cols)
         .or(shared.map(|s| s.cols))
         .unwrap_or(0);
-    crate::matvec::check_staged_input(d, norm)?;
+    crate::ops::matvec::check_staged_input(d, norm)?;
     let (i, a) = routed.map(|r| (r.1, r.2)).unwrap_or((0, 0));
     let is = shared.map(|s| s.rows / 2).unwrap_or(0);
     let p = GateUpParams {
@@ -217,7 +204,7 @@ fn gate_up_launch(
     let nslots = slots.1 - slots.0;
     let n = i.max(is);
     if tensor_core_gate_up(engine, d, routed.map(|r| r.0), shared) {
-        // kernels/matvec_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
+        // matvec_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
         // blocks that fit at once
         let name = gate_up_kernel(gpu.choices().compiled_copies, d, i, is, a, route.as_ref());
         let smem = (4 * d + d / 16) as u32;
@@ -243,7 +230,7 @@ fn gate_up_launch(
         route.is_none(),
         "moe gate/up: only the tensor-core kernel selects the experts itself"
     );
-    let width = crate::matvec::lanes_per_row(d / fmt.per_unit());
+    let width = crate::ops::matvec::lanes_per_row(d / fmt.per_unit());
     // a lane group takes two (gate, up) row pairs
     let pairs_per_pass = THREADS as usize / width * 2;
     let grid_x = n.div_ceil(pairs_per_pass).max(1);
@@ -252,7 +239,7 @@ fn gate_up_launch(
         &format!("moe_gate_up_{}", fmt.suffix()),
         (grid_x as u32, (slots.1 - slots.0) as u32, 1),
         THREADS,
-        crate::matvec::input_smem_bytes(d, fmt),
+        crate::ops::matvec::input_smem_bytes(d, fmt),
         &p,
     )
 }
@@ -299,7 +286,7 @@ pub fn down_kernel(
     }
 }
 
-/// Whether the gate/up products run on kernels/matvec_tc.cu (q4 in groups of 64, D 1024·{1, 2, 4}).
+/// Whether the gate/up products run on matvec_tc.cu (q4 in groups of 64, D 1024·{1, 2, 4}).
 fn tensor_core_gate_up(
     engine: DotEngine,
     d: usize,
@@ -312,7 +299,7 @@ fn tensor_core_gate_up(
         && shared.is_none_or(tensor_core_format)
 }
 
-/// Chunks of 128 columns the tensor-core down kernel takes (kernels/matvec_tc.cu: 8 warps ×
+/// Chunks of 128 columns the tensor-core down kernel takes (matvec_tc.cu: 8 warps ×
 /// MTC_DOWN_CHUNKS).
 const TC_DOWN_CHUNKS: usize = 40;
 
@@ -353,7 +340,7 @@ fn down_launch(
         route_acc_len: clear.map(|c| c.1).unwrap_or(0) as i32,
         pad: 0,
     };
-    // kernels/matvec_tc.cu: the slots' rows as one virtual row of chunks of 128 columns, at most
+    // matvec_tc.cu: the slots' rows as one virtual row of chunks of 128 columns, at most
     // TC_DOWN_CHUNKS of them (9 slots of 512 in the real model: 36)
     let q4_tc = |m: &DevMatrix| tensor_core_format(m) && m.cols.is_multiple_of(128);
     let n_routed = a.min(slots.1).saturating_sub(slots.0);
@@ -387,7 +374,7 @@ fn down_launch(
     // their sums per 16-byte unit
     let rows_per_block = THREADS as usize / 32 * DOWN_ROWS;
     let smem = (slots.1 - slots.0)
-        * (crate::matvec::xpad_len(io.act_stride) + io.act_stride / m.format.per_unit())
+        * (crate::ops::matvec::xpad_len(io.act_stride) + io.act_stride / m.format.per_unit())
         * 4;
     Launch::new(
         gpu,
@@ -426,7 +413,7 @@ fn router_params_selecting(w: &MoeWeightsRef, io: &MoeIo, selects: bool) -> Rout
 /// and combine weights (its last block, after an atomic ticket), else the gate/up kernel takes them.
 pub fn router_launch(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, selects: bool) -> Result<Launch> {
     let d = w.router.cols;
-    let width = crate::matvec::lanes_per_row(d / w.router.format.per_unit());
+    let width = crate::ops::matvec::lanes_per_row(d / w.router.format.per_unit());
     // Without the ticket the router is its rows only: blocks of 128 threads spread them over twice
     // the blocks (33 instead of 17 at the real shape: 5.2 → 5.0 µs per launch; 64 threads were
     // slower, 5.5; docs/performance.md, session 7). The staged input then holds ≤ 8·4·128 columns
@@ -444,7 +431,7 @@ pub fn router_launch(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, selects: bool) ->
         &format!("moe_router_{}", w.router.format.suffix()),
         (grid as u32, 1, 1),
         threads,
-        crate::matvec::input_smem_bytes(d, w.router.format),
+        crate::ops::matvec::input_smem_bytes(d, w.router.format),
         &router_params_selecting(w, io, selects),
     )
 }
@@ -546,7 +533,7 @@ fn moe_on(
         w.gate_up.rows == 2 * e * i && w.down.rows == e * d && w.down.cols == i,
         "expert shapes inconsistent"
     );
-    crate::matvec::check_staged_input(d, true)?;
+    crate::ops::matvec::check_staged_input(d, true)?;
     let same = shared_same_format(w);
     let selects = gate_up_selects(w, engine, gpu.choices().router);
     ensure!(

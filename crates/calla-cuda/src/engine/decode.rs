@@ -20,13 +20,13 @@
 use anyhow::{ensure, Result};
 use calla_model::{FeedForwardSpec, LayerKind, ModelSpec};
 
-use crate::attention::{self, AttentionIo, KvDtype};
-use crate::deltanet::{self, DeltaNetIo};
-use crate::gpu::{DPtr, Gpu, Launch};
-use crate::matvec;
-use crate::moe::{self, MoeIo, MoeWeightsRef};
-use crate::pool::Arena;
-use crate::weights::{DevFfn, DevMatrix, DevMixer, DevModel};
+use crate::ops::attention::{self, AttentionIo, KvDtype};
+use crate::ops::deltanet::{self, DeltaNetIo};
+use crate::ops::matvec;
+use crate::ops::moe::{self, MoeIo, MoeWeightsRef};
+use crate::ops::weights::{DevFfn, DevMatrix, DevMixer, DevModel};
+use crate::runtime::gpu::{DPtr, Gpu, Launch};
+use crate::runtime::pool::Arena;
 
 /// Byte offsets of each layer's state inside a sequence's state buffer.
 #[derive(Debug, Clone)]
@@ -160,7 +160,7 @@ impl Scratch {
             topk_w: f32s(a)?,
             shared_w: f32s(1)?,
             router_counter: f32s(1)?,
-            route_acc: f32s(2 * crate::moe::route_acc_words(e))?,
+            route_acc: f32s(2 * crate::ops::moe::route_acc_words(e))?,
             act: f32s((a + 1) * act_stride)?,
             act_stride,
             one: f32s(1)?,
@@ -489,8 +489,8 @@ pub fn head_greedy_launch(
     spec: &ModelSpec,
     model: &DevModel,
     s: &Scratch,
-    selector: &crate::select::Selector,
-    token: crate::select::TokenOut,
+    selector: &crate::ops::select::Selector,
+    token: crate::ops::select::TokenOut,
 ) -> Result<Option<Launch>> {
     matvec::head_greedy(
         gpu,

@@ -1,11 +1,11 @@
-//! Launcher for kernels/attention.cu: one launch per attention layer and decode step (q/k norm +
+//! Launcher for attention.cu: one launch per attention layer and decode step (q/k norm +
 //! RoPE + KV append, split-KV attention with the split count chosen from the position on the
 //! device, log-sum-exp merge + output gate in the last blocks to finish).
 
 use anyhow::{ensure, Result};
 use calla_model::ModelSpec;
 
-use crate::gpu::{DPtr, Gpu, Launch};
+use crate::runtime::gpu::{DPtr, Gpu, Launch};
 
 /// Positions per tile of the split-KV kernel (attention.cu ATTN_TILE).
 pub const TILE: usize = 32;

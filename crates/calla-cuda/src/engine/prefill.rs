@@ -1,6 +1,6 @@
 //! The prompt path, layer by layer: T tokens at positions p0..p0+T through one decoder layer, with
 //! the batched kernels (gemm.cu, deltanet_prefill.cu, attention_prefill.cu, moe_prefill.cu), reading
-//! and advancing the same per-sequence state as the decode step (forward::StateLayout):
+//! and advancing the same per-sequence state as the decode step (decode::StateLayout):
 //!
 //!   x̂ = rmsnorm₀(h)·(1 + input_layernorm)                              → bf16 planes
 //!   DeltaNet:  qkv, z, b, a = x̂·Wᵀ → conv/chunked rule/gated norm → h += out_proj
@@ -18,18 +18,18 @@
 use anyhow::{bail, ensure, Result};
 use calla_model::ModelSpec;
 
-use crate::attention::KvDtype;
-use crate::attention_prefill::{self, AttentionPrefillIo};
-use crate::deltanet_prefill::{self, DeltaNetPrefillIo};
-use crate::gemm::{self, Gemm, GemmOut, Planes, Precision};
-use crate::gpu::{DPtr, Gpu, Launch};
-use crate::moe_prefill;
-use crate::pool::Arena;
-pub use crate::prefill_scratch::{
+pub use crate::engine::prefill_scratch::{
     mixer_pieces, mixer_tokens_for, scratch_plan, PrefillScratch, MIXER_ALIGN,
 };
-use crate::prompt_precision::{Product, PromptPrecision};
-use crate::weights::{DevFfn, DevLayer, DevMatrix, DevMixer, DevModel};
+use crate::ops::attention::KvDtype;
+use crate::ops::attention_prefill::{self, AttentionPrefillIo};
+use crate::ops::deltanet_prefill::{self, DeltaNetPrefillIo};
+use crate::ops::gemm::{self, Gemm, GemmOut, Planes, Precision};
+use crate::ops::moe_prefill;
+use crate::ops::prompt_precision::{Product, PromptPrecision};
+use crate::ops::weights::{DevFfn, DevLayer, DevMatrix, DevMixer, DevModel};
+use crate::runtime::gpu::{DPtr, Gpu, Launch};
+use crate::runtime::pool::Arena;
 
 /// This layer's state inside a sequence (absolute addresses: state base + StateLayout offsets).
 #[derive(Debug, Clone, Copy)]
@@ -385,7 +385,7 @@ pub fn prefill_ffn(
 }
 
 /// A whole prompt through every layer, in chunks of at most `max_tokens`: the entry point for the
-/// backend's prompt path (`prefill::run_prompt_tokens`). Owns the scratch and the residual rows.
+/// backend's prompt path (`backend::prompt::run_prompt_tokens`). Owns the scratch and the residual rows.
 pub struct PromptRunner {
     pub scratch: PrefillScratch,
     /// f32 `[max_tokens, D]`: the chunk's residual stream
@@ -415,7 +415,7 @@ impl PromptRunner {
         gpu: &Gpu,
         spec: &ModelSpec,
         model: &DevModel,
-        layout: &crate::forward::StateLayout,
+        layout: &crate::engine::decode::StateLayout,
         state_base: DPtr,
         p0: usize,
         tokens: &[u32],

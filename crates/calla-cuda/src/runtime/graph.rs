@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, Context, Result};
 use cudarc::driver::{sys, CudaGraph};
 
-use crate::gpu::{Gpu, Launch};
+use crate::runtime::gpu::{Gpu, Launch};
 
 pub struct StepGraph {
     graph: CudaGraph,

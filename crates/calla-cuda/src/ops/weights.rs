@@ -1,5 +1,5 @@
 //! Weights on the GPU: every matrix of the canonical tree uploaded once, repacked at load into the
-//! layouts the kernels read (see kernels/common.cuh):
+//! layouts the kernels read (see common.cuh):
 //! - dense f32/bf16/f16: row-major as stored (16-byte aligned rows);
 //! - MLX affine q4/q8: codes as stored (row-major u32 words, low bits first — already what a warp
 //!   reads as 16-byte loads, 512 contiguous bytes per instruction); scale and bias interleaved per
@@ -19,8 +19,8 @@ use calla_model::{
     MoeWeights, Weights,
 };
 
-use crate::gpu::{DPtr, Gpu};
-use crate::pool::Arena;
+use crate::runtime::gpu::{DPtr, Gpu};
+use crate::runtime::pool::Arena;
 
 /// A weight format as the kernels know it (kernel name suffix).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

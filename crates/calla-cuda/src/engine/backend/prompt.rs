@@ -1,5 +1,5 @@
 //! The prompt path: `CudaBackend::step` and `forward_logits` call only `run_prompt_tokens`.
-//! Prompts run through the batched prefill kernels (prefill_layer.rs: tensor-core GEMMs, chunked
+//! Prompts run through the batched prefill kernels (engine/prefill.rs: tensor-core GEMMs, chunked
 //! DeltaNet, flash attention, grouped MoE) in chunks of `CudaOptions::prompt_chunk` tokens, writing
 //! the same sequence state the decode step reads; with `prompt_chunk = 0`, token by token through
 //! the decode chain (graph replay per token).
@@ -7,10 +7,10 @@
 use anyhow::Result;
 use calla_engine::Backend;
 
-use crate::backend::CudaBackend;
-use crate::pool::Arena;
-use crate::prefill_layer::{PrefillOptions, PromptRunner};
-use crate::sequence::CudaSequence;
+use crate::engine::backend::CudaBackend;
+use crate::engine::prefill::{PrefillOptions, PromptRunner};
+use crate::engine::sequence::CudaSequence;
+use crate::runtime::pool::Arena;
 
 /// The batched prompt path's scratch, made on the first prompt for that prompt's size and remade
 /// larger when a longer one comes (its arena outlives the runner).
@@ -66,7 +66,7 @@ pub fn run_prompt_tokens(
     let current = backend.prompt.as_ref().map(|p| p.runner.scratch.max_tokens);
     if let Some(rows) = scratch_rows(tokens.len(), cap, current) {
         backend.prompt = None; // the old scratch goes back before the new one is made
-        let mut arena = Arena::new(&gpu, crate::pool::DEFAULT_BLOCK);
+        let mut arena = Arena::new(&gpu, crate::runtime::pool::DEFAULT_BLOCK);
         let opts = PrefillOptions {
             precision: backend.prompt_precision,
         };

@@ -13,10 +13,10 @@ use std::sync::{Arc, Mutex};
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{result as cu, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
 
-use crate::choices::KernelChoices;
-use crate::kernels;
-use crate::nvrtc;
-use crate::probe;
+use crate::runtime::choices::KernelChoices;
+use crate::runtime::kernels;
+use crate::runtime::nvrtc;
+use crate::runtime::probe;
 
 /// A device address (no ownership; the owning `DeviceBuffer` must outlive its use).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -1,4 +1,4 @@
-//! Launcher for kernels/attention_prefill.cu: q/k norm + partial RoPE + KV-cache append for the
+//! Launcher for attention_prefill.cu: q/k norm + partial RoPE + KV-cache append for the
 //! prompt's positions, then causal flash attention with the output gate, on the decode kernel's
 //! KV cache (`[Hkv, max_ctx, Dh]`, bf16 or f32 — attention.rs `KvDtype`).
 //!
@@ -7,9 +7,9 @@
 use anyhow::{bail, ensure, Result};
 use calla_model::ModelSpec;
 
-use crate::attention::KvDtype;
-use crate::gemm::Planes;
-use crate::gpu::{DPtr, Gpu, Launch};
+use crate::ops::attention::KvDtype;
+use crate::ops::gemm::Planes;
+use crate::runtime::gpu::{DPtr, Gpu, Launch};
 
 pub const BQ: usize = 64;
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use anyhow::{ensure, Result};
 
-use crate::gpu::{DPtr, DeviceBuffer, Gpu};
+use crate::runtime::gpu::{DPtr, DeviceBuffer, Gpu};
 
 /// Alignment of every region: 256 bytes (16-byte vector loads, coalesced segments).
 pub const ALIGN: usize = 256;

@@ -24,11 +24,41 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::gemm::Precision;
-use crate::weights::Format;
+use crate::ops::weights::Format;
 
 /// The environment variable the CLI's `--prompt-precision` flag also reads (the library reads none).
 pub const ENV: &str = "CALLA_PROMPT_PRECISION";
+
+/// Which products a prompt GEMM runs (gemm.rs's module header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// bf16 activations × bf16 (dequantised) weights, f32 accumulation.
+    Fast,
+    /// bf16 hi + lo splits of both operands: ~f32 accuracy at 3× the tensor-core work.
+    Split,
+    /// f16 activations × f16 dequantised weights (each rounded once, ~2⁻¹² relative), f32
+    /// accumulation: one product on the tensor cores at 8× less rounding than fast. q4 weights in
+    /// groups of 64 on sm_90a only (`gemm_q4_wgh`); elsewhere gemm.rs `runnable` turns it into split.
+    Half,
+}
+
+impl Precision {
+    pub(crate) fn suffix(self) -> &'static str {
+        match self {
+            Precision::Fast => "fast",
+            Precision::Split => "split",
+            Precision::Half => "half",
+        }
+    }
+    /// The precision to run a matrix in when the caller has no preference: f32/f16 weights are a
+    /// reference-precision model (fixtures), so they get split; bf16 and quantised weights fast.
+    pub fn for_format(format: Format) -> Precision {
+        match format {
+            Format::F32 | Format::F16 => Precision::Split,
+            Format::Bf16 | Format::Q4 | Format::Q8 => Precision::Fast,
+        }
+    }
+}
 
 /// A weight product of the prompt path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

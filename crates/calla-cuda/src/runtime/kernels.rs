@@ -1,4 +1,5 @@
-//! The kernel sources, embedded in the binary (one source of truth: `kernels/*.cu`).
+//! The kernel sources, embedded in the binary (one source of truth: `src/ops/*.cu`, and
+//! `src/fill.cu` beside the synthetic models that use it).
 
 /// One NVRTC program: a kernel family's `.cu`, compiled after `common.cuh`.
 pub struct KernelSource {
@@ -9,14 +10,14 @@ pub struct KernelSource {
     pub source: &'static str,
 }
 
-pub const COMMON_HEADER: &str = include_str!("../kernels/common.cuh");
+pub const COMMON_HEADER: &str = include_str!("../ops/common.cuh");
 
 macro_rules! kernel_source {
     ($name:literal) => {
         KernelSource {
             name: $name,
             file: concat!($name, ".cu"),
-            source: include_str!(concat!("../kernels/", $name, ".cu")),
+            source: include_str!(concat!("../ops/", $name, ".cu")),
         }
     };
 }
@@ -25,10 +26,14 @@ pub const MATVEC: KernelSource = kernel_source!("matvec");
 pub const DELTANET: KernelSource = kernel_source!("deltanet");
 pub const MOE: KernelSource = kernel_source!("moe");
 pub const SELECT: KernelSource = kernel_source!("select");
-pub const FILL: KernelSource = kernel_source!("fill");
+pub const FILL: KernelSource = KernelSource {
+    name: "fill",
+    file: "fill.cu",
+    source: include_str!("../fill.cu"),
+};
 
 // The modules that use the tensor cores (the prompt path, decode attention and the q4 decode
-// matvec): kernels/mma.cuh
+// matvec): mma.cuh
 // (tensor-core and cp.async helpers) is prepended to each.
 macro_rules! mma_kernel_source {
     ($name:literal) => {
@@ -37,11 +42,11 @@ macro_rules! mma_kernel_source {
             file: concat!($name, ".cu"),
             source: concat!(
                 "#line 1 \"mma.cuh\"\n",
-                include_str!("../kernels/mma.cuh"),
+                include_str!("../ops/mma.cuh"),
                 "\n#line 1 \"",
                 $name,
                 ".cu\"\n",
-                include_str!(concat!("../kernels/", $name, ".cu"))
+                include_str!(concat!("../ops/", $name, ".cu"))
             ),
         }
     };

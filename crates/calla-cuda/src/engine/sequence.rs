@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use anyhow::Result;
 use calla_engine::Sequence;
 
-use crate::gpu::{DPtr, DeviceBuffer};
+use crate::runtime::gpu::{DPtr, DeviceBuffer};
 
 pub struct CudaSequence {
     pub(crate) state: DeviceBuffer,

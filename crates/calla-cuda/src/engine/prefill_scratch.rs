@@ -1,17 +1,17 @@
 //! The prompt path's activation scratch: one allocation laid out by a plan (pool.rs `ScratchPlan`) in
 //! which buffers that are never live at the same time share bytes, and the mixer pieces that keep
-//! the mixers' buffers within the bytes the MoE needs anyway. Used by prefill_layer.rs.
+//! the mixers' buffers within the bytes the MoE needs anyway. Used by engine/prefill.rs.
 //!
 //! Legend: T tokens of a chunk, D hidden, Hq/Dh attention, E/A/I MoE.
 
 use anyhow::{ensure, Result};
 use calla_model::ModelSpec;
 
-use crate::deltanet_prefill;
-use crate::gemm::Planes;
-use crate::gpu::DPtr;
-use crate::moe_prefill::{self, MoePrefillScratch};
-use crate::pool::{Arena, Region, ScratchPlan, ALWAYS};
+use crate::ops::deltanet_prefill;
+use crate::ops::gemm::Planes;
+use crate::ops::moe_prefill::{self, MoePrefillScratch};
+use crate::runtime::gpu::DPtr;
+use crate::runtime::pool::{Arena, Region, ScratchPlan, ALWAYS};
 
 /// Activation scratch of the prompt path, sized for `max_tokens` per call: one allocation laid out
 /// by a [`ScratchPlan`] (pool.rs), so buffers that are never live at the same time share bytes —
@@ -61,7 +61,7 @@ const MOE_STEPS: usize = 300;
 const MLP_STEPS: usize = 400;
 
 /// The regions of the mixers for pieces of `tm` tokens (lifetimes: the launch order of
-/// [`prefill_mixer`](crate::prefill_layer::prefill_mixer) and of deltanet_prefill.rs / attention_prefill.rs `prefill_core`).
+/// engine/prefill.rs `prefill_mixer` and of deltanet_prefill.rs / attention_prefill.rs `prefill_core`).
 fn mixer_regions(spec: &ModelSpec, tm: usize) -> Vec<Region> {
     let dn = deltanet_prefill::scratch_sizes(spec, tm);
     let (hq, dh, vd) = (

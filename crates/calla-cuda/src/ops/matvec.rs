@@ -1,11 +1,11 @@
-//! Launcher for kernels/matvec.cu: decode matrix-vector products (with the fused input RMSNorm and
+//! Launcher for matvec.cu: decode matrix-vector products (with the fused input RMSNorm and
 //! residual-add epilogue) and the embedding gather.
 
 use anyhow::{ensure, Result};
 
-pub use crate::choices::DotEngine;
-use crate::gpu::{DPtr, Gpu, Launch};
-use crate::weights::{DevMatrix, Format, MatrixRef};
+use crate::ops::weights::{DevMatrix, Format, MatrixRef};
+pub use crate::runtime::choices::DotEngine;
+use crate::runtime::gpu::{DPtr, Gpu, Launch};
 
 pub const THREADS: u32 = 256;
 const MAX_SEGMENTS: usize = 4;
@@ -131,6 +131,21 @@ pub fn matvec_on(
     Ok(launches)
 }
 
+/// The fused routing's producer side (matvec_tc.cu RouteTail): the router's rows, applied by the
+/// out-projection's blocks to the rows of h they finish (`matvec_tc_*route_q4_c*`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouteTail {
+    pub router: MatrixRef,
+    pub gain: u64,
+    pub shared_gate: u64,
+    pub acc: u64,
+    pub e: i32,
+    pub bits: i32,
+    pub group_size: i32,
+    pub pad: i32,
+}
+
 /// The parameters of the tensor-core matvec with the DeltaNet head norm (matvec_tc.cu
 /// TcMatvecParams, matvec_tc_headnorm_q4_c*): matvec.cu's and the [`HeadNorm`].
 #[repr(C)]
@@ -142,7 +157,7 @@ pub struct TcMatvecParams {
     pub head_dim: i32,
     pub nparts: i32,
     /// the fused routing (`matvec_tc_*route_q4_c*`), else unused
-    pub route: crate::moe::RouteTail,
+    pub route: RouteTail,
 }
 
 /// The end of the Gated DeltaNet's output norm, applied to the out-projection's input: the input
@@ -171,7 +186,7 @@ pub fn head_norm_applies(engine: DotEngine, k: usize, norm: HeadNorm, m: &DevMat
 
 /// `y (+)= W·x̂` on the tensor cores with the [`HeadNorm`] (see [`head_norm_applies`]); x holds `k`
 /// values and then the parts. With `route`, y is the residual h (accumulate) and the blocks also run
-/// the MoE router over it (the fused routing, [`crate::moe::fused_route_tail`]).
+/// the MoE router over it (the fused routing, moe.rs `fused_route_tail`).
 pub fn matvec_head_norm(
     gpu: &Gpu,
     x: DPtr,
@@ -179,7 +194,7 @@ pub fn matvec_head_norm(
     norm: HeadNorm,
     segment: &(DevMatrix, DPtr),
     accumulate: bool,
-    route: Option<&crate::moe::RouteTail>,
+    route: Option<&RouteTail>,
 ) -> Result<Launch> {
     ensure!(
         head_norm_applies(DotEngine::TensorCores, k, norm, &segment.0),
@@ -208,13 +223,13 @@ pub fn matvec_head_norm(
 }
 
 /// `h += W·x` on the tensor cores, with the MoE router run over the new h by the same blocks (the
-/// fused routing, [`crate::moe::fused_route_tail`], which checks that it applies).
+/// fused routing, moe.rs `fused_route_tail`, which checks that it applies).
 pub fn matvec_routed(
     gpu: &Gpu,
     x: DPtr,
     k: usize,
     segment: &(DevMatrix, DPtr),
-    route: &crate::moe::RouteTail,
+    route: &RouteTail,
 ) -> Result<Launch> {
     ensure!(
         tensor_core_chunks(k, &[segment]).is_some(),
@@ -233,7 +248,7 @@ pub fn matvec_routed(
 /// The tensor-core kernel for a product of K = 1024·`chunks` over stacked segments of `rows` rows: a
 /// copy with the segments compiled in where they match, K 2048: Qwen3.5/3.6's in-projections (the
 /// DeltaNet's q|k|v, z, b, a and attention's q+gate, k, v) and any one segment of whole tiles of 16
-/// rows (lm_head) — kernels/matvec_tc.cu `matvec_tc_q4_c2_s*` — else the one that searches its
+/// rows (lm_head) — matvec_tc.cu `matvec_tc_q4_c2_s*` — else the one that searches its
 /// parameters for a row's segment (always without `compiled_copies`).
 pub fn fixed_rows_kernel(compiled_copies: bool, chunks: usize, rows: &[usize]) -> String {
     let layout = match (chunks, rows) {
@@ -255,7 +270,7 @@ pub fn fixed_rows_kernel(compiled_copies: bool, chunks: usize, rows: &[usize]) -
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GreedyHeadParams {
     pub m: MatvecParams,
-    pub out: crate::select::TokenOut,
+    pub out: crate::ops::select::TokenOut,
     /// f32 max, f32 Σexp, f32 best value, i32 best id, each [select::GREEDY_HEAD_MAX_BLOCKS]
     pub partials: u64,
     /// u32 ticket, zero between launches
@@ -264,7 +279,7 @@ pub struct GreedyHeadParams {
 
 /// lm_head (`out = W·rmsnorm(x)·gain`, one segment) that also chooses the next token by plain greedy
 /// and publishes it into `token` as the selection kernel would, with `selector`'s partials and ticket
-/// (kernels/matvec_tc.cu `matvec_tc_q4_c2_s1_greedy`), where that kernel takes the matrix: q4 on the tensor cores, K 2048,
+/// (matvec_tc.cu `matvec_tc_q4_c2_s1_greedy`), where that kernel takes the matrix: q4 on the tensor cores, K 2048,
 /// rows a multiple of 16, with `KernelChoices::greedy_head`. Else None, and the
 /// decode step keeps the selection launch for plain greedy as for every other mode.
 pub fn head_greedy(
@@ -273,8 +288,8 @@ pub fn head_greedy(
     k: usize,
     norm: Option<(DPtr, f32)>,
     head: &(DevMatrix, DPtr),
-    selector: &crate::select::Selector,
-    token: crate::select::TokenOut,
+    selector: &crate::ops::select::Selector,
+    token: crate::ops::select::TokenOut,
 ) -> Result<Option<Launch>> {
     let segments = [head];
     let choices = gpu.choices();
@@ -293,22 +308,22 @@ pub fn head_greedy(
     };
     let l = tensor_core_launch(gpu, "matvec_tc_q4_c2_s1_greedy", k, head.0.rows, &p)?;
     ensure!(
-        l.grid.0 as usize <= crate::select::GREEDY_HEAD_MAX_BLOCKS,
+        l.grid.0 as usize <= crate::ops::select::GREEDY_HEAD_MAX_BLOCKS,
         "lm_head with greedy fused in: {} blocks, at most {}",
         l.grid.0,
-        crate::select::GREEDY_HEAD_MAX_BLOCKS
+        crate::ops::select::GREEDY_HEAD_MAX_BLOCKS
     );
     Ok(Some(l))
 }
 
 /// The out-projection kernel with the fused routing `route` over K `k` inputs, with the DeltaNet head
 /// norm `norm` or without: a copy compiled for Qwen3.5/3.6 where it applies (K 4096, a q8 router over
-/// 256 experts, heads of 128 with 8 parts: kernels/matvec_tc.cu `*_e256_q8*`), else the one that
+/// 256 experts, heads of 128 with 8 parts: matvec_tc.cu `*_e256_q8*`), else the one that
 /// reads them from its parameters (always without `compiled_copies`).
 pub fn routed_kernel(
     compiled_copies: bool,
     k: usize,
-    route: &crate::moe::RouteTail,
+    route: &RouteTail,
     norm: Option<&HeadNorm>,
 ) -> String {
     let kind = if norm.is_some() {
@@ -328,13 +343,13 @@ pub fn routed_kernel(
     }
 }
 
-/// The dynamic shared memory of a kernels/matvec_tc.cu matvec: x̂'s B fragments (hi, lo) and Σx̂ per
+/// The dynamic shared memory of a matvec_tc.cu matvec: x̂'s B fragments (hi, lo) and Σx̂ per
 /// group.
 fn tensor_core_smem(k: usize) -> usize {
     4 * k + k / 16
 }
 
-/// A kernels/matvec_tc.cu matvec launch: 16-row tiles over a grid of at most the blocks that fit at
+/// A matvec_tc.cu matvec launch: 16-row tiles over a grid of at most the blocks that fit at
 /// once (each block pays the x̂ prologue once).
 fn tensor_core_launch<P: Copy>(
     gpu: &Gpu,
@@ -352,7 +367,7 @@ fn tensor_core_launch<P: Copy>(
     Launch::new(gpu, name, (grid as u32, 1, 1), THREADS, smem, params)
 }
 
-/// Whether kernels/matvec_tc.cu reads `m`: q4 codes in groups of 64 with bf16 (scale, bias).
+/// Whether matvec_tc.cu reads `m`: q4 codes in groups of 64 with bf16 (scale, bias).
 pub fn tensor_core_format(m: &DevMatrix) -> bool {
     m.format == Format::Q4 && m.group_size == 64 && !m.param_f32
 }

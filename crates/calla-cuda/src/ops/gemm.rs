@@ -1,4 +1,4 @@
-//! Launchers for kernels/gemm.cu: prompt-sized products `Y = X·Wᵀ` on the tensor cores, the
+//! Launchers for gemm.cu: prompt-sized products `Y = X·Wᵀ` on the tensor cores, the
 //! RMSNorm → bf16-planes row kernel that feeds them, and the embedding of T tokens.
 //!
 //! Activations enter a GEMM as bf16 [`Planes`]: `hi = bf16(x)` and, in [`Precision::Split`],
@@ -14,9 +14,9 @@
 
 use anyhow::{bail, ensure, Result};
 
-use crate::gpu::{DPtr, Gpu, Launch};
-use crate::prompt_precision::{Product, PromptPrecision};
-use crate::weights::{DevMatrix, Format, MatrixRef};
+use crate::ops::prompt_precision::{Product, PromptPrecision};
+use crate::ops::weights::{DevMatrix, Format, MatrixRef};
+use crate::runtime::gpu::{DPtr, Gpu, Launch};
 
 pub const BM: usize = 128;
 pub const BN: usize = 128;
@@ -24,36 +24,7 @@ pub const BK: usize = 64;
 pub const THREADS: u32 = 256;
 const TILE_BYTES: usize = BM * BK * 2;
 
-/// Which products a GEMM runs (see the module header).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Precision {
-    /// bf16 activations × bf16 (dequantised) weights, f32 accumulation.
-    Fast,
-    /// bf16 hi + lo splits of both operands: ~f32 accuracy at 3× the tensor-core work.
-    Split,
-    /// f16 activations × f16 dequantised weights (each rounded once, ~2⁻¹² relative), f32
-    /// accumulation: one product on the tensor cores at 8× less rounding than fast. q4 weights in
-    /// groups of 64 on sm_90a only (`gemm_q4_wgh`); elsewhere [`runnable`] turns it into split.
-    Half,
-}
-
-impl Precision {
-    fn suffix(self) -> &'static str {
-        match self {
-            Precision::Fast => "fast",
-            Precision::Split => "split",
-            Precision::Half => "half",
-        }
-    }
-    /// The precision to run a matrix in when the caller has no preference: f32/f16 weights are a
-    /// reference-precision model (fixtures), so they get split; bf16 and quantised weights fast.
-    pub fn for_format(format: Format) -> Precision {
-        match format {
-            Format::F32 | Format::F16 => Precision::Split,
-            Format::Bf16 | Format::Q4 | Format::Q8 => Precision::Fast,
-        }
-    }
-}
+pub use crate::ops::prompt_precision::Precision;
 
 /// Activation planes `[rows, ld]` (u16 each): bf16 `hi` and `lo` for fast and split consumers,
 /// and one f16 plane for half consumers; absent planes are NULL. A plane read by one consumer only

@@ -1,4 +1,4 @@
-//! Launcher for kernels/deltanet.cu: the fused Gated DeltaNet decode step.
+//! Launcher for deltanet.cu: the fused Gated DeltaNet decode step.
 //!
 //! Each value head is served by [`SPLIT`] blocks (one thread-block cluster, sm_90+) that each own
 //! about Dv/SPLIT value columns of its state, or by one block on older devices (see the kernel
@@ -7,7 +7,7 @@
 use anyhow::{bail, ensure, Result};
 use calla_model::ModelSpec;
 
-use crate::gpu::{DPtr, Gpu, Launch};
+use crate::runtime::gpu::{DPtr, Gpu, Launch};
 
 pub const THREADS: u32 = 256;
 /// Blocks per value head where thread-block clusters exist (the `_split8` kernels' cluster size).

@@ -626,7 +626,7 @@ struct Cursor {
 };
 
 // ---------------------------------------------------------------- the token selection's results
-// Shared by kernels/select.cu (every mode) and kernels/matvec_tc.cu (lm_head with plain greedy fused
+// Shared by select.cu (every mode) and matvec_tc.cu (lm_head with plain greedy fused
 // in); the Rust twins live in select.rs.
 #define SEL_MAX_LOGPROBS 20
 
@@ -714,7 +714,7 @@ __device__ __forceinline__ GreedyAcc greedy_warp_merge(GreedyAcc a) {
 }
 
 // ---------------------------------------------------------------- decode launch parameters
-// Shared by two kernel families each (the CUDA-core kernels and kernels/matvec_tc.cu); the Rust twins
+// Shared by two kernel families each (the CUDA-core kernels and matvec_tc.cu); the Rust twins
 // live in matvec.rs and moe.rs.
 #define MAX_SEGMENTS 4
 #define MOE_MAX_A 32
