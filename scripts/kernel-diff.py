@@ -3,7 +3,9 @@
 
 A change to the kernel sources that only moves code (files, helpers, comments, names of other
 kernels) is proven equivalent to a revision that passed scripts/gpu-parity.sh when each kernel's
-.text, .nv.info and .nv.constant0 sections in the CUBIN are byte for byte the same. Each module is
+.text and .nv.constant0 sections in the CUBIN are byte for byte the same and its static shared
+memory has the same size (.nv.info is left out: its records name other sections by their index in
+the module, which changes when kernels move between modules). Each module is
 assembled as calla-cuda's runtime/kernels.rs does (common.cuh, then mma.cuh for the tensor-core
 modules, then the family's .cu) and compiled for sm_90a with the options of runtime/nvrtc.rs, by
 the NVRTC wheel that scripts/ci-nvrtc-check.sh installs into .venv-nvrtc. Kernels are matched by
@@ -36,11 +38,17 @@ def modules(rev):
     common = show(rev, base + "common.cuh")
     mma = show(rev, base + "mma.cuh")
     out = {}
-    for kind, name in re.findall(r'(mma_kernel_source|kernel_source)!\("(\w+)"\)', kr):
+    tc = show(rev, base + "matvec_tc.cuh")
+    for kind, name in re.findall(r'(tc_kernel_source|mma_kernel_source|kernel_source)!\("(\w+)"\)', kr):
         if name in ("lab_stream", "decode_layer", "grid_sync"):
             continue
         src = show(rev, base + name + ".cu") or show(rev, f"src/{name}.cu")
-        body = (f'#line 1 "mma.cuh"\n{mma}\n#line 1 "{name}.cu"\n{src}' if kind == "mma_kernel_source" else src)
+        if kind == "tc_kernel_source":
+            body = f'#line 1 "mma.cuh"\n{mma}\n#line 1 "matvec_tc.cuh"\n{tc}\n#line 1 "{name}.cu"\n{src}'
+        elif kind == "mma_kernel_source":
+            body = f'#line 1 "mma.cuh"\n{mma}\n#line 1 "{name}.cu"\n{src}'
+        else:
+            body = src
         out[name] = f'{common}\n#line 1 "{name}.cu"\n{body}'
     if "fill" not in out and show(rev, "src/fill.cu") is not None:
         out["fill"] = f'{common}\n#line 1 "fill.cu"\n{show(rev, "src/fill.cu")}'
@@ -67,8 +75,14 @@ def sections(elf):
     stro = secs[shstrndx][4]
     def nm(o):
         return elf[stro + o:elf.index(b"\0", stro + o)].decode()
-    keep = (".text.", ".nv.info.", ".nv.constant0.", ".nv.shared.")
-    return {nm(s[0]): hashlib.sha1(elf[s[4]:s[4] + s[5]]).hexdigest() for s in secs if nm(s[0]).startswith(keep)}
+    out = {}
+    for s in secs:
+        name = nm(s[0])
+        if name.startswith((".text.", ".nv.constant0.")):
+            out[name] = hashlib.sha1(elf[s[4]:s[4] + s[5]]).hexdigest()
+        elif name.startswith(".nv.shared."):  # no bits in the file: its size is the kernel's static shared memory
+            out[name] = s[5]
+    return out
 
 
 def digests(rev):

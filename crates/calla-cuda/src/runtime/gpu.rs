@@ -61,6 +61,8 @@ pub struct Gpu {
 /// Which module holds a kernel, by name prefix (kernel names are `<family>_…`).
 fn module_of(function: &str) -> Option<&'static str> {
     const PREFIXES: &[(&str, &str)] = &[
+        ("matvec_tc_gate_up_", "moe_tc"),
+        ("matvec_tc_down_", "moe_tc"),
         ("matvec_tc_", "matvec_tc"),
         ("matvec_", "matvec"),
         ("embed_", "matvec"),

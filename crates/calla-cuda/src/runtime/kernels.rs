@@ -32,9 +32,8 @@ pub const FILL: KernelSource = KernelSource {
     source: include_str!("../fill.cu"),
 };
 
-// The modules that use the tensor cores (the prompt path, decode attention and the q4 decode
-// matvec): mma.cuh
-// (tensor-core and cp.async helpers) is prepended to each.
+// The modules that use the tensor cores (the prompt path, decode attention): mma.cuh (tensor-core
+// and cp.async helpers) is prepended to each.
 macro_rules! mma_kernel_source {
     ($name:literal) => {
         KernelSource {
@@ -52,16 +51,39 @@ macro_rules! mma_kernel_source {
     };
 }
 
+// The q4 decode products on the tensor cores: mma.cuh, then their shared body matvec_tc.cuh.
+macro_rules! tc_kernel_source {
+    ($name:literal) => {
+        KernelSource {
+            name: $name,
+            file: concat!($name, ".cu"),
+            source: concat!(
+                "#line 1 \"mma.cuh\"\n",
+                include_str!("../ops/mma.cuh"),
+                "\n#line 1 \"matvec_tc.cuh\"\n",
+                include_str!("../ops/matvec_tc.cuh"),
+                "\n#line 1 \"",
+                $name,
+                ".cu\"\n",
+                include_str!(concat!("../ops/", $name, ".cu"))
+            ),
+        }
+    };
+}
+
 pub const ATTENTION: KernelSource = mma_kernel_source!("attention");
-pub const MATVEC_TC: KernelSource = mma_kernel_source!("matvec_tc");
+pub const MATVEC_TC: KernelSource = tc_kernel_source!("matvec_tc");
+pub const MOE_TC: KernelSource = tc_kernel_source!("moe_tc");
 pub const GEMM: KernelSource = mma_kernel_source!("gemm");
 pub const DELTANET_PREFILL: KernelSource = mma_kernel_source!("deltanet_prefill");
 pub const ATTENTION_PREFILL: KernelSource = mma_kernel_source!("attention_prefill");
 pub const MOE_PREFILL: KernelSource = mma_kernel_source!("moe_prefill");
+
 /// The modules every engine loads at start-up, in load order.
 pub const ALL: &[&KernelSource] = &[
     &MATVEC,
     &MATVEC_TC,
+    &MOE_TC,
     &DELTANET,
     &ATTENTION,
     &MOE,
