@@ -36,13 +36,23 @@ def modules(rev):
     kr = show(rev, "src/runtime/kernels.rs") or show(rev, "src/kernels.rs")
     base = "src/ops/" if show(rev, "src/ops/common.cuh") is not None else "kernels/"
     common = show(rev, base + "common.cuh")
+    for part in ("dot", "selection", "decode_params", "routing"):  # common.cuh's later parts, if split
+        text = show(rev, f"{base}{part}.cuh")
+        if text is not None:
+            common += f'#line 1 "{part}.cuh"\n{text}'
     mma = show(rev, base + "mma.cuh")
     out = {}
     tc = show(rev, base + "matvec_tc.cuh")
-    for kind, name in re.findall(r'(tc_kernel_source|mma_kernel_source|kernel_source)!\("(\w+)"\)', kr):
+    names = re.findall(r'(tc_kernel_source|mma_kernel_source|kernel_source)!\("(\w+)"\)', kr)
+    if "kernel_source" not in [k for k, n in names if n == "select"] and 'name: "select"' in kr:
+        names.append(("kernel_source", "select"))
+    for kind, name in names:
         if name in ("lab_stream", "decode_layer", "grid_sync"):
             continue
         src = show(rev, base + name + ".cu") or show(rev, f"src/{name}.cu")
+        if name == "select" and show(rev, base + "select_rules.cuh") is not None:
+            src = "".join(f'#line 1 "{p}"\n' + show(rev, base + p)
+                          for p in ("select_rules.cuh", "select_sampling.cuh", "select.cu"))
         if kind == "tc_kernel_source":
             body = f'#line 1 "mma.cuh"\n{mma}\n#line 1 "matvec_tc.cuh"\n{tc}\n#line 1 "{name}.cu"\n{src}'
         elif kind == "mma_kernel_source":

@@ -10,7 +10,21 @@ pub struct KernelSource {
     pub source: &'static str,
 }
 
-pub const COMMON_HEADER: &str = include_str!("../ops/common.cuh");
+/// Compiled before every kernel family, in this order: number formats, loads and reductions
+/// (common.cuh), the decode dot products and counter waits (dot.cuh), the selection's result
+/// (selection.cuh), the decode launches' shared parameters (decode_params.cuh), the MoE routing
+/// (routing.cuh).
+pub const COMMON_HEADER: &str = concat!(
+    include_str!("../ops/common.cuh"),
+    "#line 1 \"dot.cuh\"\n",
+    include_str!("../ops/dot.cuh"),
+    "#line 1 \"selection.cuh\"\n",
+    include_str!("../ops/selection.cuh"),
+    "#line 1 \"decode_params.cuh\"\n",
+    include_str!("../ops/decode_params.cuh"),
+    "#line 1 \"routing.cuh\"\n",
+    include_str!("../ops/routing.cuh")
+);
 
 macro_rules! kernel_source {
     ($name:literal) => {
@@ -25,7 +39,20 @@ macro_rules! kernel_source {
 pub const MATVEC: KernelSource = kernel_source!("matvec");
 pub const DELTANET: KernelSource = kernel_source!("deltanet");
 pub const MOE: KernelSource = kernel_source!("moe");
-pub const SELECT: KernelSource = kernel_source!("select");
+/// The token selection: its parameters, Philox and the radix select, then sampling, then the
+/// kernels.
+pub const SELECT: KernelSource = KernelSource {
+    name: "select",
+    file: "select.cu",
+    source: concat!(
+        "#line 1 \"select_rules.cuh\"\n",
+        include_str!("../ops/select_rules.cuh"),
+        "#line 1 \"select_sampling.cuh\"\n",
+        include_str!("../ops/select_sampling.cuh"),
+        "#line 1 \"select.cu\"\n",
+        include_str!("../ops/select.cu")
+    ),
+};
 pub const FILL: KernelSource = KernelSource {
     name: "fill",
     file: "fill.cu",
