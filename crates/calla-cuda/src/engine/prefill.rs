@@ -53,7 +53,7 @@ pub struct PrefillOptions {
     pub precision: PromptPrecision,
 }
 
-/// By each matrix's format (as before the per-product policy: the kernel tests and the lab run
+/// By each matrix's format (as before the per-product policy: the kernel tests run
 /// fast for quantised weights); the engine passes its `CudaOptions::prompt_precision`.
 impl Default for PrefillOptions {
     fn default() -> Self {

@@ -18,7 +18,7 @@
 //
 // Why: matvec.cu's CUDA-core dot products cost ~3 instructions per weight (shift, mask, FMA), and a
 // block's rows came in passes that each waited for their own DRAM round trip after the x̂ prologue.
-// Measured on the real in-projection (12,352 × 2048, 14.2 MB; the streaming-floor lab, removed in 44746bd): 14.8 µs,
+// Measured on the real in-projection (12,352 × 2048, 14.2 MB): 14.8 µs,
 // of which ~5 µs arithmetic, against 4.4 µs for a kernel that only streams the same bytes
 // (docs/performance.md, "Session 5"). Here the products are mma.sync m16n8k16 (~1 instruction per
 // weight, the dequantisation), and each warp issues the loads of its first NB tiles at once (and

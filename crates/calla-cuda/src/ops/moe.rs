@@ -76,7 +76,7 @@ pub struct RouteParams {
     pub pad: i32,
 }
 
-/// Accumulator copies of the fused routing (common.cuh ROUTE_COPIES; the lab's 1 or 2 leave the
+/// Accumulator copies of the fused routing (common.cuh ROUTE_COPIES; fewer copies would leave the
 /// other copies at zero). The down kernel clears them all on every layer.
 pub const ROUTE_COPIES: usize = 4;
 

@@ -61,7 +61,7 @@ fn matvec_every_format_against_cpu_linear() {
     // (rows, K): odd rows, a K of one q4 unit per lane group, a 512-wide down projection, a real
     // in-projection width, a real out-projection width (4 units per lane in q4: the _r2 kernels).
     // q4 only: enough rows that every block of the tensor-core kernel takes more tiles than it holds
-    // at once (its register slots, or the bulk-copy lab's 4, 3, 2 stages for K = 1024, 2048, 4096),
+    // at once (its register slots),
     // so they are refilled.
     for format in ["f32", "bf16", "f16", "q4", "q8"] {
         for (rows, k) in [

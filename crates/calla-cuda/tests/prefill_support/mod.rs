@@ -1,4 +1,4 @@
-//! Shared by the prefill tests and the prefill lab: the GPU (or a skip), seeded random weights in
+//! Shared by the prefill tests: the GPU (or a skip), seeded random weights in
 //! every format (a threaded generator for the real expert stacks), upload helpers and the evidence-
 //! printing comparison (max error, where, % of tolerance, first pairs).
 #![allow(dead_code)]
