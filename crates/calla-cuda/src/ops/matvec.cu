@@ -87,7 +87,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
 }
 
 // The explicit minimum of 1 block per SM on _r4 is what the measured and parity-checked code was
-// compiled with; ptxas allocates registers differently without it (scripts/cubin-diff.py).
+// compiled with; ptxas allocates registers differently without it (scripts/kernel-diff.py).
 #define MATVEC_KERNEL(name, FMT) \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS, 1) name##_r4(const MatvecParams p) { matvec_body<FMT, 4, 2>(p); } \
     extern "C" __global__ void __launch_bounds__(MATVEC_THREADS) name##_r2(const MatvecParams p) { matvec_body<FMT, 2, 4>(p); }

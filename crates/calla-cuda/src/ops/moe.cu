@@ -271,7 +271,7 @@ __device__ __forceinline__ void down_body(const DownParams& p) {
 }
 
 // gate/up keeps the explicit minimum of 1 block per SM it was measured and parity-checked with
-// (ptxas allocates differently without it: scripts/cubin-diff.py).
+// (ptxas allocates differently without it: scripts/kernel-diff.py).
 #define MOE_KERNELS(suffix, FMT) \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_router_##suffix(const RouterParams p) { router_body<FMT>(p); } \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 1) moe_gate_up_##suffix(const GateUpParams p) { gate_up_body<FMT>(p); } \
