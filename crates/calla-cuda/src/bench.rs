@@ -14,12 +14,12 @@ use calla_model::{FeedForwardSpec, LayerKind, ModelSpec, Weights};
 use cudarc::driver::sys;
 use serde::Serialize;
 
-use crate::backend::{CudaBackend, CudaOptions};
-use crate::gpu::Gpu;
-use crate::pool::{Arena, DEFAULT_BLOCK};
-use crate::sequence::CudaSequence;
+use crate::engine::backend::{CudaBackend, CudaOptions};
+use crate::engine::sequence::CudaSequence;
+use crate::ops::weights::{self, DevFfn, DevMatrix, DevMixer, DevModel, Format};
+use crate::runtime::gpu::Gpu;
+use crate::runtime::pool::{Arena, DEFAULT_BLOCK};
 use crate::synthetic;
-use crate::weights::{self, DevFfn, DevMatrix, DevMixer, DevModel, Format};
 use crate::KvDtype;
 
 /// What is benchmarked.
@@ -396,8 +396,8 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         }
         BenchModel::Checkpoint { weights, .. } => {
             // The steps of CudaBackend::new, with the upload's progress drawn by the caller.
-            crate::deltanet::check_dims(spec)?;
-            crate::attention::check_dims(spec)?;
+            crate::ops::deltanet::check_dims(spec)?;
+            crate::ops::attention::check_dims(spec)?;
             progress.begin("uploading weights to the GPU", 0, true);
             let report = |done: usize, total: usize| progress.set(done as u64, total as u64);
             let m = weights::upload_model(&gpu, &mut arena, spec, weights, Some(&report))?;
@@ -521,13 +521,6 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
             digests,
         });
     }
-    if std::env::var("CALLA_NVRTC_DEFINES")
-        .is_ok_and(|d| d.split(',').any(|x| x.trim() == "LAB_STAMPS"))
-    {
-        eprint!("{}", lab_stamps_report(&be)?);
-    }
-    // lab: the timed layer's phases in the last decode step (CALLA_LAYER_TIMING=layer)
-    layer_timing_report(&be, "")?;
     let mut profile = Vec::new();
     if opts.profile {
         let context = *contexts.last().unwrap_or(&opts.prompt_len);
@@ -540,8 +533,6 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         fake_context(&be, cs, context, opts.seed + 99)?;
         be.step(seq.as_mut(), &[prompt[0]], &sel(0))?;
         profile = be.profile_decode(seq.as_mut(), prompt[1 % prompt.len()], 20)?;
-        // lab: the same layer's launch replayed back to back (code and weights warm in L2)
-        layer_timing_report(&be, ", replayed")?;
         progress.end();
     }
     let first_token_repeats = all_equal(&first_tokens);
@@ -611,220 +602,6 @@ fn calla_rng(seed: u64) -> impl FnMut() -> u64 {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
-}
-
-/// Lab (kernels built with CALLA_NVRTC_DEFINES=LAB_STAMPS): the per-warp intervals between
-/// consecutive stamps (common.cuh `lab_stamp`, SM clock) of the last launch that stamped in the
-/// module whose copy kernel is `kernel`: for stamps i → i + 1, (names[i], median µs, max µs, warps).
-pub fn lab_stamp_intervals(
-    gpu: &Arc<Gpu>,
-    kernel: &str,
-    names: &[&str],
-) -> Result<Vec<(String, f64, f64, usize)>> {
-    let pairs: Vec<(usize, usize, &str)> = names
-        .iter()
-        .enumerate()
-        .map(|(i, n)| (i, i + 1, *n))
-        .collect();
-    lab_stamp_pairs(gpu, kernel, &pairs)
-}
-
-const LAB_BLOCKS: usize = 512;
-const LAB_EVENTS: usize = 8;
-
-/// The stamps of the module whose copy kernel is `kernel`: [block][warp][event], 0 where unset.
-fn lab_stamps_raw(gpu: &Arc<Gpu>, kernel: &str) -> Result<Vec<u64>> {
-    let mut arena = crate::pool::Arena::new(gpu, 1 << 20);
-    let buf = arena.alloc_zeroed(LAB_BLOCKS * 8 * LAB_EVENTS * 8)?;
-    gpu.launch(kernel, (64, 1, 1), 256, 0, &buf.0)?;
-    gpu.sync()?;
-    let mut st = vec![0u64; LAB_BLOCKS * 8 * LAB_EVENTS];
-    gpu.dtoh(buf, &mut st)?;
-    Ok(st)
-}
-
-/// Lab (LAB_STAMPS,LAB_GLOBALTIMER: the stamps are %globaltimer ns, one clock for every SM): each
-/// event's time after the first warp's entry, median and max over the warps that stamped it.
-fn lab_global_report(gpu: &Arc<Gpu>, kernel: &str, events: &[(usize, &str)]) -> Result<String> {
-    let st = lab_stamps_raw(gpu, kernel)?;
-    let warps = LAB_BLOCKS * 8;
-    let Some(t0) = (0..warps)
-        .map(|w| st[w * LAB_EVENTS])
-        .filter(|&v| v != 0)
-        .min()
-    else {
-        return Ok(String::new());
-    };
-    let mut out =
-        format!("lab global times ({kernel}): µs after the first warp's entry, median / max\n");
-    for &(e, name) in events {
-        let mut v: Vec<f64> = (0..warps)
-            .map(|w| st[w * LAB_EVENTS + e])
-            .filter(|&x| x >= t0 && x - t0 < 1 << 30)
-            .map(|x| (x - t0) as f64 / 1000.0)
-            .collect();
-        if v.is_empty() {
-            continue;
-        }
-        v.sort_by(f64::total_cmp);
-        out += &format!(
-            "  {name:<62} {:7.2} {:7.2}  (min {:.2}, {} warps)\n",
-            v[v.len() / 2],
-            v[v.len() - 1],
-            v[0],
-            v.len()
-        );
-    }
-    Ok(out)
-}
-
-/// [`lab_stamp_intervals`] for chosen pairs of stamps (a → b, name).
-pub fn lab_stamp_pairs(
-    gpu: &Arc<Gpu>,
-    kernel: &str,
-    pairs: &[(usize, usize, &str)],
-) -> Result<Vec<(String, f64, f64, usize)>> {
-    let mhz = gpu.clock_mhz()?;
-    let st = lab_stamps_raw(gpu, kernel)?;
-    let mut out = Vec::new();
-    for &(a, b, name) in pairs {
-        let mut v: Vec<f64> = (0..LAB_BLOCKS * 8)
-            .filter_map(|w| {
-                let (x, y) = (st[w * LAB_EVENTS + a], st[w * LAB_EVENTS + b]);
-                (x != 0 && y > x && y - x < 1 << 24).then(|| (y - x) as f64 / mhz)
-            })
-            .collect();
-        if v.is_empty() {
-            continue;
-        }
-        v.sort_by(f64::total_cmp);
-        out.push((name.to_string(), v[v.len() / 2], v[v.len() - 1], v.len()));
-    }
-    Ok(out)
-}
-
-/// Lab (LAB_STAMPS): where the last decode step's last in-projection and last MoE down kernel
-/// spent their time, per warp: kernel entry (0), dot products start (1), first weight load
-/// arrived (2), dot products done (3), reduced and stored (4), kernel end (5, matvec).
-fn lab_stamps_report(be: &CudaBackend) -> Result<String> {
-    let gpu = be.gpu();
-    let mhz = gpu.clock_mhz()?;
-    let rows: &[&str] = &[
-        "entry → dots start (prologue)",
-        "dots start → first load arrived",
-        "first load → dots done",
-        "dots done → stored",
-        "stored → kernel end",
-    ];
-    let attention: &[&str] = &[
-        "entry → loads issued",
-        "→ q normalised, barrier",
-        "→ tiles done",
-        "→ partials written",
-        "→ barrier passed / first ticket",
-        "→ slice merged / group merged",
-        "→ (ticketed) final merge",
-    ];
-    let tc: &[&str] = &[
-        "entry → x in, weights requested",
-        "→ x̂ staged (barrier)",
-        "→ first tile's codes arrived",
-        "→ first tile computed",
-        "→ its row sums (barrier)",
-        "→ kernel end",
-    ];
-    // LAB_GLOBALTIMER: every module's stamps are %globaltimer ns, not SM cycles; the tensor-core
-    // products' are placed on that one clock, the intervals in cycles would mean nothing.
-    let global = std::env::var("CALLA_NVRTC_DEFINES").is_ok_and(|d| d.contains("LAB_GLOBALTIMER"));
-    let mut out = String::new();
-    for (kernel, what, names) in [
-        (
-            "matvec_lab_stamps",
-            "matvec (the last in-projection: layer 39, attention q|k|v)",
-            rows,
-        ),
-        ("moe_lab_stamps", "moe down (last layer)", rows),
-        (
-            "matvec_tc_lab_stamps",
-            "tensor-core products (the last launch; MTC_LAB_GATE_UP_ONLY: the last MoE gate/up; MTC_LAB_DN_INPROJ_ONLY: the last DeltaNet in-projection)",
-            tc,
-        ),
-        (
-            "attn_lab_stamps",
-            "attention decode (last attention layer, kv head 0)",
-            attention,
-        ),
-    ] {
-        if global {
-            if kernel == "matvec_tc_lab_stamps" {
-                out += &lab_global_report(
-                    gpu,
-                    kernel,
-                    &[
-                        (0, "entry"),
-                        (7, "prologue done"),
-                        (3, "x arrived (XSTAMPS) / first codes"),
-                        (4, "gain arrived (XSTAMPS) / tile 1"),
-                        (5, "weights issued (XSTAMPS) / sums"),
-                        (1, "Σx² reduced (gate/up: x̂ staged)"),
-                        (2, "x̂ staged (gate/up: weights issued)"),
-                        (6, "end"),
-                    ],
-                )?;
-            }
-            continue;
-        }
-        out +=
-            &format!("lab stamps, {what}: µs per warp (SM clock at {mhz:.0} MHz), median / max\n");
-        for (name, median, max, warps) in lab_stamp_intervals(gpu, kernel, names)? {
-            out += &format!("  {name:<34} {median:7.2} {max:7.2}  ({warps} warps)\n");
-        }
-        if kernel == "matvec_tc_lab_stamps" {
-            // stamp 7: after the map's prologue (gate/up: the routing), between 0 and 1
-            for (name, median, max, warps) in
-                lab_stamp_pairs(gpu, kernel, &[(0, 7, "entry → prologue done (routing)")])?
-            {
-                out += &format!("  {name:<34} {median:7.2} {max:7.2}  ({warps} warps)\n");
-            }
-        }
-    }
-    if global {
-        // select.cu: every block of the grid draw, the phases of "sampling on the whole grid"; in
-        // greedy (and the last block's draw) the events in parentheses
-        out += &lab_global_report(
-            gpu,
-            "select_lab_stamps",
-            &[
-                (0, "entry"),
-                (2, "first grid barrier passed (greedy: logits in)"),
-                (
-                    3,
-                    "candidates ranked (plain: z max read; greedy: block reduced)",
-                ),
-                (1, "partial written"),
-                (4, "top-p: total known (greedy: last block's ticket)"),
-                (5, "top-p: nucleus bound found (greedy: partials read)"),
-                (6, "subtree roots written (barrier) (greedy: merged)"),
-                (7, "last block: drawn (greedy: result written)"),
-            ],
-        )?;
-    }
-    Ok(out)
-}
-
-/// Lab (CALLA_LAYER_TIMING=layer): print the timed layer's last launch, phase by phase.
-fn layer_timing_report(be: &CudaBackend, what: &str) -> Result<()> {
-    if let Some((buf, layer)) = be.scratch.layer_timing {
-        let mut stamps =
-            vec![0u64; crate::decode_layer::EVENTS * 2 * crate::decode_layer::MAX_TIMED_BLOCKS];
-        be.gpu().dtoh(buf, &mut stamps)?;
-        let mhz = be.gpu().clock_mhz()?;
-        eprint!(
-            "layer {layer}{what}: {}",
-            crate::decode_layer::timing_report(&stamps, mhz)
-        );
-    }
-    Ok(())
 }
 
 #[cfg(test)]

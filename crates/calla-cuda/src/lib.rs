@@ -1,36 +1,30 @@
-//! calla-cuda: the NVIDIA engine. Kernels are `.cu` sources compiled at start-up by NVRTC
-//! (`nvrtc.rs`); the whole decode step is a fixed chain of fused kernels captured as one CUDA graph.
+//! calla-cuda: the NVIDIA engine. The whole forward pass runs in calla's own kernels, compiled at
+//! start-up by NVRTC for the device's architecture; the decode step is a fixed chain of fused
+//! kernels captured as one CUDA graph. docs/architecture.md ("Inside calla-cuda") has the map.
+//!
+//! - [`runtime`]: the device, NVRTC and its kernel cache, graphs, device memory, the kernel
+//!   variants the launchers pick ([`KernelChoices`]).
+//! - [`ops`]: one kernel family per `.cu` file beside its launcher (`attention.cu` /
+//!   `attention.rs`, …), the device weight layouts and the prompt precisions.
+//! - [`engine`]: the [`CudaBackend`] (the `calla_engine::Backend`), the decode step's launch
+//!   chain, the batched prompt path, sequence state.
+//! - [`bench`], [`synthetic`]: `calla bench` and its random models made on the device.
+//!
+//! Layers: `engine` uses `ops` uses `runtime`; nothing points back up.
 
-pub mod attention;
-pub mod backend;
-pub mod decode_layer;
-pub mod deltanet;
-pub mod forward;
-pub mod gpu;
-pub mod graph;
-pub mod grid_sync;
-pub mod kernels;
-pub mod lab_stream;
-pub mod matvec;
-pub mod moe;
-pub mod nvrtc;
-pub mod pool;
-pub mod prefill;
-pub mod probe;
-pub mod select;
-pub mod sequence;
-pub mod weights;
-// The prompt (prefill) path: batched kernels (second CUDA engineer).
-pub mod attention_prefill;
-pub mod deltanet_prefill;
-pub mod gemm;
-pub mod moe_prefill;
-pub mod prefill_layer;
-pub mod prefill_scratch;
-pub mod prompt_precision;
+pub mod engine;
+pub mod ops;
+pub mod runtime;
 
-pub use attention::KvDtype;
-pub use backend::{CudaBackend, CudaLoadReport, CudaOptions};
-pub use prompt_precision::PromptPrecision;
 pub mod bench;
 pub mod synthetic;
+
+pub use engine::backend::{CudaBackend, CudaLoadReport, CudaOptions};
+pub use ops::attention::KvDtype;
+pub use ops::prompt_precision::PromptPrecision;
+pub use runtime::choices::{DotEngine, KernelChoices, RouterPlacement};
+
+// The paths the CLI used before the folders (calla-cli moves to the new ones with its next change).
+pub use engine::backend;
+pub use ops::{gemm, prompt_precision, weights};
+pub use runtime::probe;

@@ -1,5 +1,5 @@
 //! Synthetic models made directly on the GPU (the benchmark at the real shape: no 20 GB of host
-//! arrays). Every tensor is seeded random data from kernels/fill.cu; scales keep activations of
+//! arrays). Every tensor is seeded random data from fill.cu; scales keep activations of
 //! order one through the layers and spread the routing over all experts.
 //!
 //! Formats mirror the published MLX 4-bit checkpoint when `Format::Q4` is asked for: every matrix
@@ -11,12 +11,12 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use calla_model::{FeedForwardSpec, LayerKind, ModelSpec};
 
-use crate::gpu::{DPtr, Gpu};
-use crate::pool::Arena;
-use crate::weights::{
+use crate::ops::weights::{
     rope_inv_freq, DevAttention, DevDeltaNet, DevFfn, DevLayer, DevMatrix, DevMixer, DevMlp,
     DevModel, DevMoe, Format,
 };
+use crate::runtime::gpu::{DPtr, Gpu};
+use crate::runtime::pool::Arena;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]

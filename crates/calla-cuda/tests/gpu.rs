@@ -20,9 +20,3 @@ mod engine;
 
 #[path = "gpu/pipeline.rs"]
 mod pipeline;
-
-#[path = "gpu/grid_sync.rs"]
-mod grid_sync;
-
-#[path = "gpu/stream_floor.rs"]
-mod stream_floor;

@@ -4,14 +4,14 @@
 
 #[test]
 fn every_kernel_compiles_for_sm_90a() {
-    if let Err(e) = calla_cuda::probe::nvrtc_library() {
+    if let Err(e) = calla_cuda::runtime::probe::nvrtc_library() {
         if std::env::var("CALLA_REQUIRE_NVRTC").as_deref() == Ok("1") {
             panic!("{e:#}");
         }
         eprintln!("skipped: {e:#}");
         return;
     }
-    match calla_cuda::nvrtc::compile_all("sm_90a") {
+    match calla_cuda::runtime::nvrtc::compile_all("sm_90a") {
         Ok(lines) => {
             for l in lines {
                 println!("{l}");

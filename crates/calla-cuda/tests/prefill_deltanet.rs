@@ -7,10 +7,10 @@ mod prefill_support;
 
 use calla_cpu::deltanet::{DeltaNet, DeltaNetState, Rule};
 use calla_cpu::random::{tiny_spec, Rng};
-use calla_cuda::gemm::Precision;
-use calla_cuda::pool::Arena;
-use calla_cuda::prefill_layer::{prefill_mixer, LayerState, PrefillOptions, PrefillScratch};
-use calla_cuda::weights::upload_model;
+use calla_cuda::engine::prefill::{prefill_mixer, LayerState, PrefillOptions, PrefillScratch};
+use calla_cuda::ops::gemm::Precision;
+use calla_cuda::ops::weights::upload_model;
+use calla_cuda::runtime::pool::Arena;
 use calla_model::{Family, FeedForwardSpec, LayerKind, MixerWeights, ModelSpec};
 use prefill_support::*;
 

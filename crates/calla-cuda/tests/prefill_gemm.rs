@@ -7,10 +7,10 @@ mod prefill_support;
 
 use calla_cpu::linear::Linear;
 use calla_cpu::random::Rng;
-use calla_cuda::gemm::{self, Gemm, GemmOut, Planes, Precision, TensorCores};
-use calla_cuda::gpu::Gpu;
-use calla_cuda::pool::Arena;
-use calla_cuda::weights::DevMatrix;
+use calla_cuda::ops::gemm::{self, Gemm, GemmOut, Planes, Precision, TensorCores};
+use calla_cuda::ops::weights::DevMatrix;
+use calla_cuda::runtime::gpu::Gpu;
+use calla_cuda::runtime::pool::Arena;
 use prefill_support::*;
 
 /// Y = X·Wᵀ in f64 from the dequantised weights.
@@ -275,7 +275,7 @@ fn rmsnorm_planes_and_embedding_rows() {
     let hi_only = download_planes(
         &gpu,
         Planes {
-            lo: calla_cuda::gpu::DPtr::NULL,
+            lo: calla_cuda::runtime::gpu::DPtr::NULL,
             ..planes
         },
         t * d,

@@ -1,6 +1,6 @@
 //! The public prompt entry points end to end: `prefill_embed` + `prefill_layer` over every layer of
 //! a 4-layer model (DN, DN, DN, attention; MoE), in two chunks (the second continues the first's
-//! state at p0 = T1), in the engine's own state layout (forward::StateLayout). Compared after every
+//! state at p0 = T1), in the engine's own state layout (decode::StateLayout). Compared after every
 //! layer with the CPU model's `l_out` trace.
 
 mod prefill_support;
@@ -9,13 +9,13 @@ use std::collections::HashMap;
 
 use calla_cpu::random::{tiny_spec, Rng};
 use calla_cpu::{Logits, Model};
-use calla_cuda::forward::StateLayout;
-use calla_cuda::pool::Arena;
-use calla_cuda::prefill_layer::{
+use calla_cuda::engine::decode::StateLayout;
+use calla_cuda::engine::prefill::{
     prefill_embed, prefill_layer, LayerState, PrefillOptions, PrefillScratch, PromptRunner,
 };
-use calla_cuda::prompt_precision::PromptPrecision;
-use calla_cuda::weights::upload_model;
+use calla_cuda::ops::prompt_precision::PromptPrecision;
+use calla_cuda::ops::weights::upload_model;
+use calla_cuda::runtime::pool::Arena;
 use calla_cuda::KvDtype;
 use calla_model::{Family, LayerKind};
 use prefill_support::*;

@@ -9,10 +9,10 @@ mod prefill_support;
 use calla_cpu::linear::Linear;
 use calla_cpu::moe::{route, FeedForward};
 use calla_cpu::random::{tiny_spec, Rng};
-use calla_cuda::pool::Arena;
-use calla_cuda::prefill_layer::{prefill_ffn, PrefillOptions, PrefillScratch};
-use calla_cuda::prompt_precision::PromptPrecision;
-use calla_cuda::weights::upload_model;
+use calla_cuda::engine::prefill::{prefill_ffn, PrefillOptions, PrefillScratch};
+use calla_cuda::ops::prompt_precision::PromptPrecision;
+use calla_cuda::ops::weights::upload_model;
+use calla_cuda::runtime::pool::Arena;
 use calla_model::{Family, FeedForwardSpec, FeedForwardWeights, LayerKind, ModelSpec};
 use prefill_support::*;
 

@@ -1,4 +1,4 @@
-//! The mixer in pieces (prefill_layer.rs `mixer_pieces`, used when a chunk's DeltaNet/attention
+//! The mixer in pieces (engine/prefill.rs `mixer_pieces`, used when a chunk's DeltaNet/attention
 //! buffers would exceed the MoE's) against the mixer in one piece: every layer's residual rows and
 //! the whole sequence state (DeltaNet conv rings and states, K/V caches) must be bitwise equal —
 //! pieces start at multiples of 64 tokens, so every kernel sees the chunks and query tiles of one
@@ -8,13 +8,13 @@
 mod prefill_support;
 
 use calla_cpu::random::{tiny_spec, Rng};
-use calla_cuda::forward::StateLayout;
-use calla_cuda::gemm::Precision;
-use calla_cuda::pool::Arena;
-use calla_cuda::prefill_layer::{
+use calla_cuda::engine::decode::StateLayout;
+use calla_cuda::engine::prefill::{
     prefill_embed, prefill_layer, LayerState, PrefillOptions, PrefillScratch,
 };
-use calla_cuda::weights::upload_model;
+use calla_cuda::ops::gemm::Precision;
+use calla_cuda::ops::weights::upload_model;
+use calla_cuda::runtime::pool::Arena;
 use calla_cuda::KvDtype;
 use calla_model::{Family, FeedForwardSpec, LayerKind, ModelSpec};
 use prefill_support::*;
@@ -23,9 +23,9 @@ use prefill_support::*;
 /// returns the residual rows after every layer of every chunk, then the final state bytes.
 #[allow(clippy::too_many_arguments)]
 fn run_all(
-    gpu: &std::sync::Arc<calla_cuda::gpu::Gpu>,
+    gpu: &std::sync::Arc<calla_cuda::runtime::gpu::Gpu>,
     spec: &ModelSpec,
-    model: &calla_cuda::weights::DevModel,
+    model: &calla_cuda::ops::weights::DevModel,
     kv: KvDtype,
     precision: Option<Precision>,
     chunks: &[Vec<u32>],

@@ -3,12 +3,12 @@
 //! every name they pick for the real model is a kernel its .cu file defines (a renamed or removed
 //! copy would otherwise surface only when a GPU loads the module). That a copy computes what its
 //! general kernel computes is checked on the GPU: the real-shape digests are the same with and
-//! without the `CALLA_LAB_*_GENERIC` switches, and every kernel test runs against the CPU reference.
+//! without `KernelChoices::compiled_copies`, and every kernel test runs against the CPU reference.
 
-use calla_cuda::kernels::{KernelSource, ATTENTION, DELTANET, MATVEC_TC};
-use calla_cuda::matvec::HeadNorm;
-use calla_cuda::moe::{RouteParams, RouteTail};
-use calla_cuda::{attention, deltanet, matvec, moe};
+use calla_cuda::ops::matvec::HeadNorm;
+use calla_cuda::ops::moe::{RouteParams, RouteTail};
+use calla_cuda::runtime::kernels::{KernelSource, ATTENTION, DELTANET, MATVEC_TC};
+use calla_cuda::ops::{attention, deltanet, matvec, moe};
 use calla_model::synthetic::preset;
 
 /// Whether `src` defines `extern "C" __global__ … name(`.
@@ -52,7 +52,7 @@ const DN_NORM: HeadNorm = HeadNorm {
     eps: 1e-6,
 };
 
-/// The DeltaNet in-projection's segments as forward.rs stacks them: q|k|v (the conv channels), z, b, a.
+/// The DeltaNet in-projection's segments as engine/decode.rs stacks them: q|k|v (the conv channels), z, b, a.
 fn deltanet_in_rows(spec: &calla_model::ModelSpec) -> Vec<usize> {
     let hv = spec.linear_num_value_heads;
     vec![spec.linear_conv_dim(), spec.linear_value_dim(), hv, hv]
@@ -68,30 +68,39 @@ fn attention_in_rows(spec: &calla_model::ModelSpec) -> Vec<usize> {
 fn the_real_model_gets_the_compiled_copies_and_they_exist() {
     let spec = preset("qwen3.6-35b-a3b").expect("the real model's preset");
     let picks = [
-        (&ATTENTION, attention::barrier_kernel(&spec).to_string()),
-        (&DELTANET, deltanet::parts_kernel(&spec)),
+        (
+            &ATTENTION,
+            attention::barrier_kernel(true, &spec).to_string(),
+        ),
+        (&DELTANET, deltanet::parts_kernel(true, &spec)),
         (
             &MATVEC_TC,
-            moe::gate_up_kernel(2048, 512, 512, 8, Some(&route(256, 8))),
+            moe::gate_up_kernel(true, 2048, 512, 512, 8, Some(&route(256, 8))),
         ),
         (
             &MATVEC_TC,
-            moe::down_kernel(2048, 8, Some(512), Some(512)).to_string(),
+            moe::down_kernel(true, 2048, 8, Some(512), Some(512)).to_string(),
         ),
         (
             &MATVEC_TC,
-            matvec::routed_kernel(4096, &tail(256, 8), Some(&DN_NORM)),
-        ),
-        (&MATVEC_TC, matvec::routed_kernel(4096, &tail(256, 8), None)),
-        (
-            &MATVEC_TC,
-            matvec::fixed_rows_kernel(2, &deltanet_in_rows(&spec)),
+            matvec::routed_kernel(true, 4096, &tail(256, 8), Some(&DN_NORM)),
         ),
         (
             &MATVEC_TC,
-            matvec::fixed_rows_kernel(2, &attention_in_rows(&spec)),
+            matvec::routed_kernel(true, 4096, &tail(256, 8), None),
         ),
-        (&MATVEC_TC, matvec::fixed_rows_kernel(2, &[spec.vocab_size])),
+        (
+            &MATVEC_TC,
+            matvec::fixed_rows_kernel(true, 2, &deltanet_in_rows(&spec)),
+        ),
+        (
+            &MATVEC_TC,
+            matvec::fixed_rows_kernel(true, 2, &attention_in_rows(&spec)),
+        ),
+        (
+            &MATVEC_TC,
+            matvec::fixed_rows_kernel(true, 2, &[spec.vocab_size]),
+        ),
     ];
     let expected = [
         "attn_decode_bf16_bar_dh256_g8",
@@ -119,32 +128,35 @@ fn the_real_model_gets_the_compiled_copies_and_they_exist() {
 #[test]
 fn other_dims_get_the_general_kernels() {
     let tiny = preset("tiny").expect("the tiny preset");
-    assert_eq!(attention::barrier_kernel(&tiny), "attn_decode_bf16_bar");
+    assert_eq!(
+        attention::barrier_kernel(true, &tiny),
+        "attn_decode_bf16_bar"
+    );
     assert!(defines(&ATTENTION, "attn_decode_bf16_bar"));
-    assert!(!deltanet::parts_kernel(&tiny).ends_with("_k4_v128_r2"));
+    assert!(!deltanet::parts_kernel(true, &tiny).ends_with("_k4_v128_r2"));
     // one dim off is enough to fall back
     assert_eq!(
-        moe::gate_up_kernel(2048, 512, 512, 8, Some(&route(128, 8))),
+        moe::gate_up_kernel(true, 2048, 512, 512, 8, Some(&route(128, 8))),
         "matvec_tc_gate_up_q4_c2"
     );
     assert_eq!(
-        moe::gate_up_kernel(2048, 768, 512, 8, Some(&route(256, 8))),
+        moe::gate_up_kernel(true, 2048, 768, 512, 8, Some(&route(256, 8))),
         "matvec_tc_gate_up_q4_c2"
     );
     assert_eq!(
-        moe::gate_up_kernel(2048, 512, 512, 8, None),
+        moe::gate_up_kernel(true, 2048, 512, 512, 8, None),
         "matvec_tc_gate_up_q4_c2"
     );
     assert_eq!(
-        moe::down_kernel(2048, 10, Some(512), Some(512)),
+        moe::down_kernel(true, 2048, 10, Some(512), Some(512)),
         "matvec_tc_down_q4"
     );
     assert_eq!(
-        moe::down_kernel(4096, 8, Some(512), Some(512)),
+        moe::down_kernel(true, 4096, 8, Some(512), Some(512)),
         "matvec_tc_down_q4"
     );
     assert_eq!(
-        matvec::routed_kernel(4096, &tail(256, 4), Some(&DN_NORM)),
+        matvec::routed_kernel(true, 4096, &tail(256, 4), Some(&DN_NORM)),
         "matvec_tc_headnorm_route_q4_c4"
     );
     let wide_heads = HeadNorm {
@@ -152,31 +164,37 @@ fn other_dims_get_the_general_kernels() {
         ..DN_NORM
     };
     assert_eq!(
-        matvec::routed_kernel(4096, &tail(256, 8), Some(&wide_heads)),
+        matvec::routed_kernel(true, 4096, &tail(256, 8), Some(&wide_heads)),
         "matvec_tc_headnorm_route_q4_c4"
     );
     assert_eq!(
-        matvec::routed_kernel(2048, &tail(256, 8), None),
+        matvec::routed_kernel(true, 2048, &tail(256, 8), None),
         "matvec_tc_route_q4_c2"
     );
     assert_eq!(
-        matvec::fixed_rows_kernel(2, &deltanet_in_rows(&tiny)),
+        matvec::fixed_rows_kernel(true, 2, &deltanet_in_rows(&tiny)),
         "matvec_tc_q4_c2"
     );
     // the same rows at another K, or one segment's rows off, or lm_head's single segment
     assert_eq!(
-        matvec::fixed_rows_kernel(4, &[8192, 4096, 32, 32]),
+        matvec::fixed_rows_kernel(true, 4, &[8192, 4096, 32, 32]),
         "matvec_tc_q4_c4"
     );
     assert_eq!(
-        matvec::fixed_rows_kernel(2, &[8192, 4096, 48, 32]),
+        matvec::fixed_rows_kernel(true, 2, &[8192, 4096, 48, 32]),
         "matvec_tc_q4_c2"
     );
     assert_eq!(
-        matvec::fixed_rows_kernel(2, &[8192, 512, 256]),
+        matvec::fixed_rows_kernel(true, 2, &[8192, 512, 256]),
         "matvec_tc_q4_c2"
     );
     // one segment: whole tiles only
-    assert_eq!(matvec::fixed_rows_kernel(2, &[248_328]), "matvec_tc_q4_c2");
-    assert_eq!(matvec::fixed_rows_kernel(4, &[248_320]), "matvec_tc_q4_c4");
+    assert_eq!(
+        matvec::fixed_rows_kernel(true, 2, &[248_328]),
+        "matvec_tc_q4_c2"
+    );
+    assert_eq!(
+        matvec::fixed_rows_kernel(true, 4, &[248_320]),
+        "matvec_tc_q4_c4"
+    );
 }

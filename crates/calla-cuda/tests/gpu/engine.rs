@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use calla_cpu::CpuBackend;
-use calla_cuda::{CudaBackend, CudaOptions, KvDtype};
+use calla_cuda::{CudaBackend, CudaOptions, KernelChoices, KvDtype};
 use calla_engine::generate::{generate_on, GenerateRequest};
 use calla_engine::sampling::SamplingParams;
 use calla_engine::{Backend, Selection, TokenChoice};
@@ -243,13 +243,12 @@ impl RealDimsX4 {
         RealDimsX4 { spec, w, prompt }
     }
 
-    /// REAL_X4_STEPS greedy steps on a fresh backend (bf16 KV), the persistent layer kernel or the
-    /// chain (`fused_layers`).
-    fn greedy(&self, fused_layers: bool) -> Vec<TokenChoice> {
+    /// REAL_X4_STEPS greedy steps on a fresh backend (bf16 KV) with the kernel variants `kernels`.
+    fn greedy(&self, kernels: KernelChoices) -> Vec<TokenChoice> {
         let opts = CudaOptions {
             max_context: Some(self.prompt.len() + REAL_X4_STEPS + 8),
             kv_cache: KvDtype::Bf16,
-            fused_layers,
+            kernels,
             ..Default::default()
         };
         let mut be = CudaBackend::new(&self.spec, &self.w, &opts).unwrap();
@@ -259,10 +258,11 @@ impl RealDimsX4 {
     /// Greedy through the generation loop (two steps in flight) on a fresh backend, three requests
     /// on new sequences: without top logprobs, with 5, without again. Returns whether the backend
     /// chooses plain greedy inside lm_head, and the three requests' choices.
-    fn generate_greedy(&self) -> (bool, [Vec<TokenChoice>; 3]) {
+    fn generate_greedy(&self, kernels: KernelChoices) -> (bool, [Vec<TokenChoice>; 3]) {
         let opts = CudaOptions {
             max_context: Some(self.prompt.len() + REAL_X4_STEPS + 8),
             kv_cache: KvDtype::Bf16,
+            kernels,
             ..Default::default()
         };
         let mut be = CudaBackend::new(&self.spec, &self.w, &opts).unwrap();
@@ -287,42 +287,8 @@ impl RealDimsX4 {
     }
 }
 
-/// The persistent decode layer (decode_layer.cu, CALLA_DECODE=layer) against the chain of launches
-/// it replaces, on the same real-dims weights: the same greedy tokens, log-probabilities within
-/// 2e-4 (the phases are the chain's device functions; only the gated norm's Σo² is summed in
-/// another order). Also the CPU engine for both, so neither path can drift alone.
-#[test]
-#[ignore = "needs CUDA"]
-fn engine_layer_kernel_matches_chain() {
-    let model = RealDimsX4::new(93);
-    let steps = REAL_X4_STEPS;
-    let (chain, fused) = (model.greedy(false), model.greedy(true));
-    let same = chain
-        .iter()
-        .zip(&fused)
-        .take_while(|(a, b)| a.token == b.token)
-        .count();
-    let worst = chain
-        .iter()
-        .zip(&fused)
-        .take(same)
-        .map(|(a, b)| (a.logprob - b.logprob).abs())
-        .fold(0f32, f32::max);
-    let pass = check_count(
-        "decode layer kernel vs chain: real dims ×4 q4",
-        &format!("{steps} steps, bf16 KV"),
-        same,
-        steps,
-        &format!("Δlp {worst:.1e}"),
-    ) && worst <= 2e-4;
-    assert!(
-        pass,
-        "fused layer decode differs from the chain (Δlp {worst:.1e}, {same}/{steps})"
-    );
-}
-
 /// lm_head with plain greedy fused in (the decode graph for plain greedy: matvec::head_greedy) against
-/// lm_head then the selection launch (the lab switch `CALLA_LAB_SELECT_SEPARATE`), through the
+/// lm_head then the selection launch (without `KernelChoices::greedy_head`), through the
 /// generation loop with two steps in flight, on the real-dims ×4 model: the same tokens, the
 /// log-probabilities within rounding (the sum in another order). In each engine a request with top
 /// logprobs (the general graph) between two without must choose the same tokens: the graph changes
@@ -332,13 +298,15 @@ fn engine_layer_kernel_matches_chain() {
 fn greedy_head_matches_the_selection_launch() {
     let model = RealDimsX4::new(97);
     let steps = REAL_X4_STEPS;
-    let (fuses, [fused, fused_lp, fused_again]) = model.generate_greedy();
-    std::env::set_var("CALLA_LAB_SELECT_SEPARATE", "1");
-    let (separate_fuses, [separate, separate_lp, _]) = model.generate_greedy();
-    std::env::remove_var("CALLA_LAB_SELECT_SEPARATE");
+    let (fuses, [fused, fused_lp, fused_again]) = model.generate_greedy(KernelChoices::default());
+    let separate_choices = KernelChoices {
+        greedy_head: false,
+        ..KernelChoices::default()
+    };
+    let (separate_fuses, [separate, separate_lp, _]) = model.generate_greedy(separate_choices);
     assert!(
         fuses && !separate_fuses,
-        "the fused head should apply at the real dims, and not with the lab switch"
+        "the fused head should apply at the real dims, and not without greedy_head"
     );
     let tokens = |c: &[TokenChoice]| c.iter().map(|c| c.token).collect::<Vec<u32>>();
     let same = fused
@@ -376,32 +344,17 @@ fn greedy_head_matches_the_selection_launch() {
 
 /// The decode kernels compiled for Qwen3.5/3.6's dims (attention, DeltaNet, gate/up, down, the
 /// out- and in-projections: docs/performance.md, sessions 18–19) against the general kernels they were made
-/// from, on the same random real-dims model: the `CALLA_LAB_*_GENERIC` switches make the launchers
-/// pick the general kernels while the second backend is built and run. Same operations in the same
-/// order, so every token and every log-probability must be equal to the bit. The switches are
-/// process-wide: this runs where the GPU tests run, one test at a time (scripts/gpu-parity.sh).
+/// from, on the same random real-dims model: the second backend is built with
+/// `KernelChoices::general()`. Same operations in the same order, so every token and every
+/// log-probability must be equal to the bit.
 /// Not named engine_… so that gpu-parity.sh's kernel group runs it.
 #[test]
 #[ignore = "needs CUDA"]
 fn compiled_copies_match_the_general_kernels() {
-    const SWITCHES: [&str; 6] = [
-        "CALLA_LAB_ATTN_GENERIC",
-        "CALLA_LAB_DN_GENERIC",
-        "CALLA_LAB_GATE_UP_GENERIC",
-        "CALLA_LAB_DOWN_GENERIC",
-        "CALLA_LAB_OUT_GENERIC",
-        "CALLA_LAB_SEGMENTS_GENERIC",
-    ];
     let model = RealDimsX4::new(95);
     let steps = REAL_X4_STEPS;
-    let copies = model.greedy(false);
-    for s in SWITCHES {
-        std::env::set_var(s, "1");
-    }
-    let general = model.greedy(false);
-    for s in SWITCHES {
-        std::env::remove_var(s);
-    }
+    let copies = model.greedy(KernelChoices::default());
+    let general = model.greedy(KernelChoices::general());
     let bits = |c: &TokenChoice| {
         let top: Vec<(u32, u32)> = c.top.iter().map(|&(id, lp)| (id, lp.to_bits())).collect();
         (c.token, c.logprob.to_bits(), top)

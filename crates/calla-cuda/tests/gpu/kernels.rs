@@ -4,12 +4,12 @@ use calla_cpu::attention::{Attention, KvCache};
 use calla_cpu::deltanet::{DeltaNet, DeltaNetState, Rule};
 use calla_cpu::linear::Linear;
 use calla_cpu::moe::FeedForward;
-use calla_cuda::deltanet;
-use calla_cuda::forward;
-use calla_cuda::matvec::{self, DotEngine};
-use calla_cuda::pool::Arena;
-use calla_cuda::sequence::CudaSequence;
-use calla_cuda::{CudaBackend, CudaOptions, KvDtype};
+use calla_cuda::engine::decode;
+use calla_cuda::engine::sequence::CudaSequence;
+use calla_cuda::ops::deltanet;
+use calla_cuda::ops::matvec::{self, DotEngine};
+use calla_cuda::runtime::pool::Arena;
+use calla_cuda::{CudaBackend, CudaOptions, KernelChoices, KvDtype, RouterPlacement};
 use calla_engine::Backend;
 use calla_model::load::Quant;
 use calla_model::{
@@ -61,7 +61,7 @@ fn matvec_every_format_against_cpu_linear() {
     // (rows, K): odd rows, a K of one q4 unit per lane group, a 512-wide down projection, a real
     // in-projection width, a real out-projection width (4 units per lane in q4: the _r2 kernels).
     // q4 only: enough rows that every block of the tensor-core kernel takes more tiles than it holds
-    // at once (its register slots, or the bulk-copy lab's 4, 3, 2 stages for K = 1024, 2048, 4096),
+    // at once (its register slots),
     // so they are refilled.
     for format in ["f32", "bf16", "f16", "q4", "q8"] {
         for (rows, k) in [
@@ -244,7 +244,7 @@ fn embedding_gather_every_format() {
         let cursor = arena.alloc_zeroed(16).unwrap();
         let out = arena.alloc_zeroed(d * 4).unwrap();
         for token in [0usize, 517, 999] {
-            let c = calla_cuda::backend::Cursor {
+            let c = calla_cuda::engine::backend::Cursor {
                 state_base: 0,
                 pos: 0,
                 token: token as i32,
@@ -284,6 +284,7 @@ fn rig(
             max_context: Some(ctx),
             kv_cache: kv,
             use_graphs: false,
+            kernels: kernel_choices(),
             ..Default::default()
         },
     )
@@ -304,7 +305,7 @@ fn run_mixer(
     let cs = seq.as_any().downcast_ref::<CudaSequence>().unwrap();
     gpu.htod(be.scratch.h, x).unwrap();
     be.set_cursor(cs, pos, 0).unwrap();
-    for l in forward::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap()
+    for l in decode::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap()
     {
         l.run(&gpu).unwrap();
     }
@@ -314,7 +315,7 @@ fn run_mixer(
 fn run_ffn(be: &mut CudaBackend, spec: &ModelSpec, layer: usize, x: &[f32]) -> Vec<f32> {
     let gpu = be.gpu().clone();
     gpu.htod(be.scratch.h, x).unwrap();
-    for l in forward::ffn_launches(&gpu, spec, &be.model, &be.scratch, layer).unwrap() {
+    for l in decode::ffn_launches(&gpu, spec, &be.model, &be.scratch, layer).unwrap() {
         l.run(&gpu).unwrap();
     }
     download(&gpu, be.scratch.h, x.len())
@@ -339,12 +340,16 @@ fn run_deltanet_mixer(
     gpu.htod(be.scratch.h, x).unwrap();
     be.set_cursor(cs, pos, 0).unwrap();
     // the kernel's own norm (the engine moves it to the out-projection where that applies)
-    std::env::set_var("CALLA_DN_NORM", "deltanet");
+    let choices = gpu.choices();
+    gpu.set_choices(KernelChoices {
+        deltanet_norm_in_out_projection: false,
+        ..choices
+    });
     let mut launches =
-        forward::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap();
-    std::env::remove_var("CALLA_DN_NORM");
+        decode::mixer_launches(&gpu, spec, &be.model, &be.layout, &be.scratch, layer).unwrap();
+    gpu.set_choices(choices);
     let io =
-        forward::deltanet_io(&be.model, &be.layout, &be.scratch, layer).expect("a DeltaNet layer");
+        decode::deltanet_io(&be.model, &be.layout, &be.scratch, layer).expect("a DeltaNet layer");
     let at = launches
         .iter()
         .position(|l| l.name.starts_with("deltanet_decode"))
@@ -676,7 +681,12 @@ fn round_kv(x: f32, kv: KvDtype) -> f32 {
     }
 }
 
-fn upload_kv(gpu: &calla_cuda::gpu::Gpu, dst: calla_cuda::gpu::DPtr, x: &[f32], kv: KvDtype) {
+fn upload_kv(
+    gpu: &calla_cuda::runtime::gpu::Gpu,
+    dst: calla_cuda::runtime::gpu::DPtr,
+    x: &[f32],
+    kv: KvDtype,
+) {
     match kv {
         KvDtype::F32 => gpu.htod(dst, x).unwrap(),
         KvDtype::Bf16 => {
@@ -690,8 +700,8 @@ fn upload_kv(gpu: &calla_cuda::gpu::Gpu, dst: calla_cuda::gpu::DPtr, x: &[f32], 
 }
 
 fn download_kv(
-    gpu: &calla_cuda::gpu::Gpu,
-    src: calla_cuda::gpu::DPtr,
+    gpu: &calla_cuda::runtime::gpu::Gpu,
+    src: calla_cuda::runtime::gpu::DPtr,
     n: usize,
     kv: KvDtype,
 ) -> Vec<f32> {
@@ -852,7 +862,7 @@ fn attention_prefilled_case(
     let base = seq.as_any().downcast_ref::<CudaSequence>().unwrap().base();
     let (k_off, v_off) = be.layout.layers[layer];
     let grid = be.scratch.nsplit;
-    let min_tiles = calla_cuda::attention::min_tiles_per_split();
+    let min_tiles = gpu.choices().attn_min_tiles_per_split;
     let mut all = true;
     for &pos in positions {
         assert!(pos < ctx);
@@ -865,7 +875,7 @@ fn attention_prefilled_case(
             got_out = run_mixer(&mut be, spec, seq.as_ref(), layer, pos, &x);
             ys.push(download(&gpu, be.scratch.at_y, hq * dh));
         }
-        let splits = calla_cuda::attention::live_splits(pos, grid, min_tiles);
+        let splits = calla_cuda::ops::attention::live_splits(pos, grid, min_tiles);
         let shape = format!("Hq{hq} Hkv{hkv} Dh{dh} p{pos} ({splits}/{grid} splits)");
         let same = ys[0]
             .iter()
@@ -949,7 +959,7 @@ fn attention_prefilled_case(
 /// and the ends: 0, 1, each side of a tile boundary, of the first second-level merge (17 tiles),
 /// of every split live (nsplit tiles), of uneven splits, and the last position of the cache.
 fn split_change_positions(nsplit: usize, ctx: usize) -> Vec<usize> {
-    let t = calla_cuda::attention::TILE;
+    let t = calla_cuda::ops::attention::TILE;
     let mut p = vec![0, 1, t - 1, t, t + 1, 2 * t];
     for tiles in [
         16,
@@ -977,7 +987,7 @@ fn attention_decode_prefilled_long_context() {
     let w = random_weights(&tiny, None, 71);
     // grid 128 splits (8 merge groups) at tiny dims
     let ctx = 6000;
-    let nsplit = calla_cuda::attention::num_splits(ctx);
+    let nsplit = calla_cuda::ops::attention::num_splits(ctx);
     for kv in [KvDtype::F32, KvDtype::Bf16] {
         all &= attention_prefilled_case(
             &format!("attn prefilled tiny {kv:?}"),
@@ -1007,7 +1017,7 @@ fn attention_decode_prefilled_long_context() {
             &w,
             ctx,
             kv,
-            &split_change_positions(calla_cuda::attention::num_splits(ctx), ctx),
+            &split_change_positions(calla_cuda::ops::attention::num_splits(ctx), ctx),
             1e-4,
             if kv == KvDtype::F32 { 1e-4 } else { 2e-2 },
         );
@@ -1029,7 +1039,7 @@ fn attention_decode_prefilled_long_context() {
             &w,
             ctx,
             kv,
-            &split_change_positions(calla_cuda::attention::num_splits(ctx), ctx),
+            &split_change_positions(calla_cuda::ops::attention::num_splits(ctx), ctx),
             1e-4,
             if kv == KvDtype::F32 { 1e-4 } else { 2e-2 },
         );
@@ -1055,57 +1065,68 @@ fn attention_decode_prefilled_long_context() {
     }
     // The ticketed merge (attn_decode_bf16; the barrier merge is the default) on the
     // same tiny and real checks.
-    std::env::set_var("CALLA_ATTN_MERGE", "ticket");
+    let ticketed = KernelChoices {
+        co_resident_grids: false,
+        ..KernelChoices::default()
+    };
     let w = random_weights(&tiny, None, 71);
-    all &= attention_prefilled_case(
-        "attn prefilled tiny Bf16, ticketed merge",
-        &tiny,
-        &w,
-        6000,
-        KvDtype::Bf16,
-        &split_change_positions(calla_cuda::attention::num_splits(6000), 6000),
-        1e-4,
-        2e-2,
-    );
-    all &= attention_prefilled_case(
-        "attn prefilled real Bf16, ticketed merge",
-        real,
-        wr,
-        ctx,
-        KvDtype::Bf16,
-        &positions,
-        1e-4,
-        2e-2,
-    );
-    std::env::remove_var("CALLA_ATTN_MERGE");
-    // Two tiles per split at least (CALLA_ATTN_MIN_TILES, read when the launches are built): the
-    // same tiny checks with the other split policy.
-    std::env::set_var("CALLA_ATTN_MIN_TILES", "2");
+    all &= with_kernel_choices(ticketed, || {
+        attention_prefilled_case(
+            "attn prefilled tiny Bf16, ticketed merge",
+            &tiny,
+            &w,
+            6000,
+            KvDtype::Bf16,
+            &split_change_positions(calla_cuda::ops::attention::num_splits(6000), 6000),
+            1e-4,
+            2e-2,
+        )
+    });
+    all &= with_kernel_choices(ticketed, || {
+        attention_prefilled_case(
+            "attn prefilled real Bf16, ticketed merge",
+            real,
+            wr,
+            ctx,
+            KvDtype::Bf16,
+            &positions,
+            1e-4,
+            2e-2,
+        )
+    });
+    // Two tiles per split at least (read when the launches are built): the same tiny checks with
+    // the other split policy.
+    let min_tiles = |n| KernelChoices {
+        attn_min_tiles_per_split: n,
+        ..KernelChoices::default()
+    };
     let w = random_weights(&tiny, None, 73);
-    all &= attention_prefilled_case(
-        "attn prefilled tiny min 2 tiles",
-        &tiny,
-        &w,
-        6000,
-        KvDtype::F32,
-        &split_change_positions(128, 6000),
-        1e-4,
-        1e-4,
-    );
+    all &= with_kernel_choices(min_tiles(2), || {
+        attention_prefilled_case(
+            "attn prefilled tiny min 2 tiles",
+            &tiny,
+            &w,
+            6000,
+            KvDtype::F32,
+            &split_change_positions(128, 6000),
+            1e-4,
+            1e-4,
+        )
+    });
     // Five tiles per split at least, bf16: several laps of the bf16 kernel's tile ring at tiny
     // dims, splits of 5 and 6 tiles, the last one partial.
-    std::env::set_var("CALLA_ATTN_MIN_TILES", "5");
-    all &= attention_prefilled_case(
-        "attn prefilled tiny min 5 tiles bf16",
-        &tiny,
-        &w,
-        6000,
-        KvDtype::Bf16,
-        &split_change_positions(128, 6000),
-        1e-4,
-        2e-2,
-    );
-    std::env::remove_var("CALLA_ATTN_MIN_TILES");
+    all &= with_kernel_choices(min_tiles(5), || {
+        attention_prefilled_case(
+            "attn prefilled tiny min 5 tiles bf16",
+            &tiny,
+            &w,
+            6000,
+            KvDtype::Bf16,
+            &split_change_positions(128, 6000),
+            1e-4,
+            2e-2,
+        )
+    });
     assert!(all);
 }
 
@@ -1180,15 +1201,15 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
     // an attention layer's MoE: its plain out-projection also runs the fused routing below
     let layer = (0..spec.num_layers())
         .find(|&i| {
-            forward::moe_weights(&be.model, spec, i).is_some()
+            decode::moe_weights(&be.model, spec, i).is_some()
                 && matches!(
                     be.model.layers[i].mixer,
-                    calla_cuda::weights::DevMixer::Attention(_)
+                    calla_cuda::ops::weights::DevMixer::Attention(_)
                 )
         })
         .expect("an attention layer with an MoE");
-    let mw = forward::moe_weights(&be.model, spec, layer).unwrap();
-    let io = forward::moe_io(&be.model, spec, &be.scratch, layer);
+    let mw = decode::moe_weights(&be.model, spec, layer).unwrap();
+    let io = decode::moe_io(&be.model, spec, &be.scratch, layer);
     let (e, a, d) = (mw.experts, mw.top_k, mw.router.cols);
     let r = mw.router.kref();
     let rb = r.row_bytes as usize;
@@ -1216,30 +1237,39 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
             let logits = if mode == "fused" {
                 // the attention out-projection over a random y runs the router into the
                 // accumulators; gate/up selects from them (logits = sums · 2⁻³² / rms)
-                let calla_cuda::weights::DevMixer::Attention(m) = &be.model.layers[layer].mixer
+                let calla_cuda::ops::weights::DevMixer::Attention(m) =
+                    &be.model.layers[layer].mixer
                 else {
                     unreachable!()
                 };
                 let s = &be.scratch;
                 let k = spec.num_attention_heads * spec.head_dim;
-                let tail = calla_cuda::moe::fused_route_tail(&mw, &io, &m.o_proj, k, s.route_acc)
-                    .expect("the fused routing applies at the real shape");
+                let tail = calla_cuda::ops::moe::fused_route_tail(
+                    gpu.choices(),
+                    &mw,
+                    &io,
+                    &m.o_proj,
+                    k,
+                    s.route_acc,
+                )
+                .expect("the fused routing applies at the real shape");
                 gpu.htod(s.at_y, &rng.normal_vec(k, 1.0)).unwrap();
                 gpu.htod(io.h, &x).unwrap();
-                let words = calla_cuda::moe::route_acc_words(e);
+                let words = calla_cuda::ops::moe::route_acc_words(e);
                 gpu.memset_zero(s.route_acc, 8 * words).unwrap();
                 matvec::matvec_routed(&gpu, s.at_y, k, &(m.o_proj, s.h), &tail)
                     .unwrap()
                     .run(&gpu)
                     .unwrap();
                 let launches =
-                    calla_cuda::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc).unwrap();
+                    calla_cuda::ops::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc)
+                        .unwrap();
                 launches[0].run(&gpu).unwrap(); // gate/up only: the accumulators stay
                 let mut acc = vec![0i64; words];
                 gpu.dtoh(s.route_acc, &mut acc).unwrap();
-                let stride = words / calla_cuda::moe::ROUTE_COPIES;
+                let stride = words / calla_cuda::ops::moe::ROUTE_COPIES;
                 let sum = |i: usize| {
-                    (0..calla_cuda::moe::ROUTE_COPIES)
+                    (0..calla_cuda::ops::moe::ROUTE_COPIES)
                         .map(|c| acc[c * stride + i])
                         .sum::<i64>()
                 };
@@ -1250,13 +1280,17 @@ fn routing_takes_the_top_k_with_ties_to_the_lowest_id() {
                     .map(|i| sum(i) as f32 * (1.0 / 4294967296.0) * inv)
                     .collect::<Vec<f32>>()
             } else {
-                if mode == "ticket" {
-                    std::env::set_var("CALLA_ROUTER", "ticket");
-                } else {
-                    std::env::set_var("CALLA_ROUTER", "launch");
-                }
-                let launches = calla_cuda::moe::moe(&gpu, &mw, &io).unwrap();
-                std::env::remove_var("CALLA_ROUTER");
+                let choices = gpu.choices();
+                gpu.set_choices(KernelChoices {
+                    router: if mode == "ticket" {
+                        RouterPlacement::Ticket
+                    } else {
+                        RouterPlacement::InGateUp
+                    },
+                    ..choices
+                });
+                let launches = calla_cuda::ops::moe::moe(&gpu, &mw, &io).unwrap();
+                gpu.set_choices(choices);
                 gpu.htod(io.h, &x).unwrap();
                 for l in &launches[..2] {
                     l.run(&gpu).unwrap(); // router, then gate/up
@@ -1353,24 +1387,31 @@ fn moe_and_mlp_against_cpu() {
     let (real, w) = real_two_layers();
     all &= ffn_case("moe q4 (real dims, 256 experts)", real, w, 2e-4);
     // the same on the CUDA-core kernels (the tensor-core gate/up is the default where it applies)
-    std::env::set_var("CALLA_MATVEC", "rows");
-    all &= ffn_case("moe q4 (real dims, 256 experts), CUDA cores", real, w, 2e-4);
-    std::env::remove_var("CALLA_MATVEC");
+    let rows = KernelChoices {
+        dot_engine: DotEngine::Rows,
+        ..KernelChoices::default()
+    };
+    all &= with_kernel_choices(rows, || {
+        ffn_case("moe q4 (real dims, 256 experts), CUDA cores", real, w, 2e-4)
+    });
     // and with the ticket router (the cluster router is the default on sm_90+)
-    std::env::set_var("CALLA_ROUTER", "ticket");
-    all &= ffn_case(
-        "moe q4 (real dims, 256 experts), ticket router",
-        real,
-        w,
-        2e-4,
-    );
-    all &= ffn_case(
-        "moe router+top-k+experts f32, ticket router",
-        &tiny,
-        &random_weights(&tiny, None, 71),
-        1e-4,
-    );
-    std::env::remove_var("CALLA_ROUTER");
+    let ticket = KernelChoices {
+        router: RouterPlacement::Ticket,
+        ..KernelChoices::default()
+    };
+    all &= with_kernel_choices(ticket, || {
+        ffn_case(
+            "moe q4 (real dims, 256 experts), ticket router",
+            real,
+            w,
+            2e-4,
+        ) & ffn_case(
+            "moe router+top-k+experts f32, ticket router",
+            &tiny,
+            &random_weights(&tiny, None, 71),
+            1e-4,
+        )
+    });
     assert!(all);
 }
 
@@ -1390,11 +1431,11 @@ fn fused_routing_matches_the_router_launch() {
     let mut rng = Rng::new(131);
     let mut all = true;
     for layer in 0..spec.num_layers() {
-        let mw = forward::moe_weights(&be.model, spec, layer).expect("an MoE layer");
-        let io = forward::moe_io(&be.model, spec, s, layer);
+        let mw = decode::moe_weights(&be.model, spec, layer).expect("an MoE layer");
+        let io = decode::moe_io(&be.model, spec, s, layer);
         let (e, a) = (mw.experts, mw.top_k);
         let (kind, out_proj, k, y, head_norm) = match &be.model.layers[layer].mixer {
-            calla_cuda::weights::DevMixer::DeltaNet(m) => (
+            calla_cuda::ops::weights::DevMixer::DeltaNet(m) => (
                 "DeltaNet out-projection (head norm)",
                 &m.out_proj,
                 spec.linear_value_dim(),
@@ -1405,7 +1446,7 @@ fn fused_routing_matches_the_router_launch() {
                     eps: spec.rms_norm_eps,
                 }),
             ),
-            calla_cuda::weights::DevMixer::Attention(m) => (
+            calla_cuda::ops::weights::DevMixer::Attention(m) => (
                 "attention out-projection",
                 &m.o_proj,
                 spec.num_attention_heads * spec.head_dim,
@@ -1413,9 +1454,17 @@ fn fused_routing_matches_the_router_launch() {
                 None,
             ),
         };
-        let tail = calla_cuda::moe::fused_route_tail(&mw, &io, out_proj, k, s.route_acc)
-            .expect("the fused routing applies at the real shape");
-        let out_launch = |route: Option<&calla_cuda::moe::RouteTail>| match (head_norm, route) {
+        let tail = calla_cuda::ops::moe::fused_route_tail(
+            gpu.choices(),
+            &mw,
+            &io,
+            out_proj,
+            k,
+            s.route_acc,
+        )
+        .expect("the fused routing applies at the real shape");
+        let out_launch = |route: Option<&calla_cuda::ops::moe::RouteTail>| match (head_norm, route)
+        {
             (Some(hn), r) => {
                 matvec::matvec_head_norm(&gpu, y, k, hn, &(*out_proj, s.h), true, r).unwrap()
             }
@@ -1429,8 +1478,8 @@ fn fused_routing_matches_the_router_launch() {
         };
         let router = cpu_moe.router.to_f32();
         let shared_gate = cpu_moe.shared_expert_gate.as_ref().map(|g| g.to_f32());
-        let acc_words = calla_cuda::moe::route_acc_words(e);
-        let stride = acc_words / calla_cuda::moe::ROUTE_COPIES;
+        let acc_words = calla_cuda::ops::moe::route_acc_words(e);
+        let stride = acc_words / calla_cuda::ops::moe::ROUTE_COPIES;
         let (mut h_got, mut h_want, mut l_got, mut l_want) = (vec![], vec![], vec![], vec![]);
         let (mut same_ids, mut total, mut cleared) = (0usize, 0usize, true);
         for _ in 0..8 {
@@ -1451,7 +1500,7 @@ fn fused_routing_matches_the_router_launch() {
             let mut acc = vec![0i64; acc_words];
             gpu.dtoh(s.route_acc, &mut acc).unwrap();
             let sum = |i: usize| {
-                (0..calla_cuda::moe::ROUTE_COPIES)
+                (0..calla_cuda::ops::moe::ROUTE_COPIES)
                     .map(|c| acc[c * stride + i])
                     .sum::<i64>()
             };
@@ -1470,7 +1519,8 @@ fn fused_routing_matches_the_router_launch() {
                 l_got.push((sum(e) as f64 / 4294967296.0 * inv) as f32);
                 l_want.push((0..d).map(|c| g[c] * xn[c]).sum::<f32>());
             }
-            for l in calla_cuda::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc).unwrap()
+            for l in
+                calla_cuda::ops::moe::moe_after_fused_routing(&gpu, &mw, &io, s.route_acc).unwrap()
             {
                 l.run(&gpu).unwrap();
             }
@@ -1482,9 +1532,13 @@ fn fused_routing_matches_the_router_launch() {
             // the router's own launch
             gpu.htod(s.h, &h0).unwrap();
             out_launch(None).run(&gpu).unwrap();
-            std::env::set_var("CALLA_ROUTER", "launch");
-            let launches = calla_cuda::moe::moe(&gpu, &mw, &io).unwrap();
-            std::env::remove_var("CALLA_ROUTER");
+            let choices = gpu.choices();
+            gpu.set_choices(KernelChoices {
+                router: RouterPlacement::InGateUp,
+                ..choices
+            });
+            let launches = calla_cuda::ops::moe::moe(&gpu, &mw, &io).unwrap();
+            gpu.set_choices(choices);
             for l in launches {
                 l.run(&gpu).unwrap();
             }

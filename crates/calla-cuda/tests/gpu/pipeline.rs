@@ -7,7 +7,7 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use calla_cuda::select::SelectResult;
+use calla_cuda::ops::select::SelectResult;
 use calla_cuda::{CudaBackend, CudaOptions};
 use calla_engine::generate::{generate_on, GenerateRequest};
 use calla_engine::sampling::SamplingParams;

@@ -1,9 +1,9 @@
 //! Token selection on the device against calla_engine::sampling::select_token.
 
-use calla_cuda::backend::Cursor;
-use calla_cuda::matvec;
-use calla_cuda::pool::Arena;
-use calla_cuda::select::Selector;
+use calla_cuda::engine::backend::Cursor;
+use calla_cuda::ops::matvec;
+use calla_cuda::ops::select::Selector;
+use calla_cuda::runtime::pool::Arena;
 use calla_engine::sampling::{select_token, SamplingParams};
 use calla_engine::Selection;
 

@@ -2,9 +2,10 @@
 
 use std::sync::{Arc, OnceLock};
 
-use calla_cuda::gpu::{DPtr, Gpu};
-use calla_cuda::pool::Arena;
-use calla_cuda::weights::{DevMatrix, Uploader};
+use calla_cuda::ops::weights::{DevMatrix, Uploader};
+use calla_cuda::runtime::gpu::{DPtr, Gpu};
+use calla_cuda::runtime::pool::Arena;
+use calla_cuda::KernelChoices;
 use calla_model::load::Quant;
 use calla_model::{LayerKind, Matrix, ModelSpec, Weights};
 
@@ -157,4 +158,27 @@ pub fn real_two_layers() -> &'static (ModelSpec, Weights) {
         let w = random_weights(&spec, Some(Quant::Q4), 53);
         (spec, w)
     })
+}
+
+/// The kernel variants the test backends (`rig` and friends) are built with: the defaults unless a
+/// test runs a block under [`with_kernel_choices`]. The GPU tests run one at a time
+/// (`--test-threads=1`), so one process-wide value is enough.
+static TEST_CHOICES: std::sync::Mutex<Option<KernelChoices>> = std::sync::Mutex::new(None);
+
+pub fn kernel_choices() -> KernelChoices {
+    TEST_CHOICES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .unwrap_or_default()
+}
+
+/// Runs `f` with backends built from now on (and the shared test GPU's launches) taking `choices`,
+/// then restores the defaults.
+pub fn with_kernel_choices<T>(choices: KernelChoices, f: impl FnOnce() -> T) -> T {
+    *TEST_CHOICES.lock().unwrap_or_else(|p| p.into_inner()) = Some(choices);
+    gpu().set_choices(choices);
+    let out = f();
+    *TEST_CHOICES.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    gpu().set_choices(KernelChoices::default());
+    out
 }

@@ -1,4 +1,4 @@
-//! Shared by the prefill tests and the prefill lab: the GPU (or a skip), seeded random weights in
+//! Shared by the prefill tests: the GPU (or a skip), seeded random weights in
 //! every format (a threaded generator for the real expert stacks), upload helpers and the evidence-
 //! printing comparison (max error, where, % of tolerance, first pairs).
 #![allow(dead_code)]
@@ -6,10 +6,10 @@
 use std::sync::{Arc, OnceLock};
 
 use calla_cpu::random::{quantise_affine, Rng};
-use calla_cuda::gemm::Planes;
-use calla_cuda::gpu::{DPtr, Gpu, Launch};
-use calla_cuda::pool::Arena;
-use calla_cuda::weights::{DevMatrix, Uploader};
+use calla_cuda::ops::gemm::Planes;
+use calla_cuda::ops::weights::{DevMatrix, Uploader};
+use calla_cuda::runtime::gpu::{DPtr, Gpu, Launch};
+use calla_cuda::runtime::pool::Arena;
 use calla_model::{
     AttentionWeights, Blob, DType, DeltaNetWeights, FeedForwardSpec, FeedForwardWeights, LayerKind,
     LayerWeights, Matrix, MatrixData, MixerWeights, MlpWeights, ModelSpec, MoeWeights, Weights,
