@@ -5,6 +5,7 @@ mod chat;
 mod device;
 mod generate;
 mod inspect;
+mod limits;
 mod serve;
 
 use clap::{Parser, Subcommand};

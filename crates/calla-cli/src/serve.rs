@@ -10,12 +10,13 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use calla_chat::template::DEFAULT_RENDER_FUEL;
-use calla_model::load::{load_model, LoadOptions, Quant};
+use calla_model::load::{load_model_with, FileStamp, LoadOptions, Quant, Residency};
 use calla_server::{
     load_in_background, load_outcome, start_runtime, AppState, RuntimeOptions, ServerConfig,
 };
 
 use crate::device::{open_backend, CudaFlags, Device};
+use crate::limits::{self, ServeLimits};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -42,20 +43,22 @@ pub struct Args {
     #[arg(long)]
     quant: Option<Quant>,
     /// Requests that may wait for the engine; more get 429.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value = "64", value_parser = limits::queue_len)]
     max_queue: usize,
     /// Longest prompt + output in tokens (default and maximum: the model's context).
-    #[arg(long)]
+    #[arg(long, value_parser = limits::context_len)]
     max_context: Option<usize>,
     /// Memory for saved prompt states (prefix cache), in MiB; 0 disables it.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value = "4096", value_parser = limits::cache_mib)]
     prefix_cache_mb: usize,
     /// Largest request body, in MiB.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value = "16", value_parser = limits::request_mib)]
     max_body_mb: usize,
     /// Also log each request's prompt and output text.
     #[arg(long)]
     log_text: bool,
+    #[command(flatten)]
+    limits: ServeLimits,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -75,6 +78,10 @@ pub fn run(args: Args) -> Result<()> {
         api_key: args.api_key.clone(),
         max_body_bytes: args.max_body_mb << 20,
         log_text: args.log_text,
+        max_prompt_bytes: args.limits.max_prompt_mb << 20,
+        allowed_hosts: calla_server::guard::allowed_hosts_for(&args.host),
+        cors_origins: args.limits.cors_origins.clone(),
+        limits: args.limits.limits(),
         ..ServerConfig::default()
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -118,8 +125,13 @@ pub fn run(args: Args) -> Result<()> {
         };
         let max_prompt_bytes = state.config.max_prompt_bytes;
         let (device, quant, cuda) = (args.device, args.quant, args.cuda);
+        let residency = if args.limits.no_mmap {
+            Residency::Read
+        } else {
+            Residency::Mapped
+        };
         let loaded = load_in_background(Arc::clone(&state), move || {
-            let mut runtime = load(&dir, device, quant, &cuda, &options)?;
+            let mut runtime = load(&dir, device, quant, &cuda, &options, residency)?;
             if let Some(template) = &mut runtime.template {
                 // A render writes at most what a prompt may hold.
                 template.set_limits(DEFAULT_RENDER_FUEL, max_prompt_bytes);
@@ -167,10 +179,52 @@ fn load(
     quant: Option<Quant>,
     cuda: &CudaFlags,
     options: &RuntimeOptions,
+    residency: Residency,
 ) -> Result<calla_server::Runtime> {
-    let loaded = load_model(dir, &LoadOptions { quant })?;
+    let loaded = load_model_with(dir, &LoadOptions { quant }, residency)?;
     let backend = open_backend(&loaded, device, cuda)?;
-    start_runtime(dir, backend, loaded.generation.clone(), options)
+    let generation = loaded.generation.clone();
+    let mapped = loaded.mapped.clone();
+    // The CUDA engine copies every weight to the device and keeps no view of the host bytes:
+    // dropping the loaded weights here unmaps the checkpoint, so later changes to it are harmless.
+    // The CPU engine reads the map while serving: watch it.
+    drop(loaded);
+    match device {
+        Device::Cuda => tracing::info!("weights uploaded; the checkpoint files are no longer mapped"),
+        Device::Cpu if !mapped.is_empty() => watch_mapped_files(mapped),
+        Device::Cpu => {}
+    }
+    start_runtime(dir, backend, generation, options)
+}
+
+/// Log (once per file) when a memory-mapped checkpoint file changes under the running server: its
+/// weights are then corrupt, and a truncation will kill the process with SIGBUS.
+fn watch_mapped_files(stamps: Vec<FileStamp>) {
+    let spawned = std::thread::Builder::new()
+        .name("calla-mmap-watch".into())
+        .spawn(move || {
+            let mut reported = vec![false; stamps.len()];
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(5));
+                for (stamp, reported) in stamps.iter().zip(&mut reported) {
+                    if *reported {
+                        continue;
+                    }
+                    if let Some(change) = stamp.changed() {
+                        tracing::error!(
+                            "{} changed on disk while memory-mapped ({change}): the served weights \
+                             may now be wrong, and a truncated file crashes the server (SIGBUS). \
+                             Restart calla; serve with --no-mmap to be immune.",
+                            stamp.path.display()
+                        );
+                        *reported = true;
+                    }
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot watch the mapped checkpoint files: {e}");
+    }
 }
 
 /// Ctrl-C or SIGTERM.
