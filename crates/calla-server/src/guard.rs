@@ -107,7 +107,17 @@ fn is_json(headers: &HeaderMap) -> bool {
 }
 
 fn refuse(status: StatusCode, kind: &'static str, message: String) -> Response {
-    ApiError::new(status, kind, message).into_response()
+    let mut response = ApiError::new(status, kind, message).into_response();
+    if matches!(
+        status,
+        StatusCode::URI_TOO_LONG | StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
+    ) {
+        // The rest of such a request is not worth reading.
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+    }
+    response
 }
 
 /// Host, Origin, request-target and header sizes, Content-Type: before anything else runs.

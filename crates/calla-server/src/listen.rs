@@ -15,6 +15,7 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -95,8 +96,16 @@ pub async fn serve(
             connections.spawn(refuse(stream));
             continue;
         };
-        let io = TokioIo::new(WriteTimeout::new(stream, limits.write_timeout));
-        let service = TowerToHyperService::new(app.clone());
+        let dispatched = Arc::new(AtomicUsize::new(0));
+        let io = TokioIo::new(WriteTimeout::new(
+            stream,
+            limits.write_timeout,
+            Arc::clone(&dispatched),
+        ));
+        let service = Counted {
+            inner: TowerToHyperService::new(app.clone()),
+            dispatched,
+        };
         let mut stop = stop_rx.clone();
         let header_timeout = limits.header_timeout;
         connections.spawn(async move {
@@ -159,21 +168,82 @@ async fn refuse(mut stream: tokio::net::TcpStream) {
     .await;
 }
 
-/// A stream whose writes fail with `TimedOut` once one has been pending for `limit` (a client that
-/// stopped reading its response).
+/// The router, counting the requests hyper hands it (so the stream below can tell a response to
+/// a request from one hyper wrote itself for a request it could not parse).
+struct Counted<S> {
+    inner: S,
+    dispatched: Arc<AtomicUsize>,
+}
+
+impl<R, S: hyper::service::Service<R>> hyper::service::Service<R> for Counted<S> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+    fn call(&self, request: R) -> S::Future {
+        self.dispatched.fetch_add(1, Ordering::SeqCst);
+        self.inner.call(request)
+    }
+}
+
+/// The connection's stream: writes fail with `TimedOut` once one has been pending for `limit` (a
+/// client that stopped reading its response), and the bodiless error responses hyper writes for
+/// requests it cannot parse (400, 414, 431, 505) get an OpenAI-shaped JSON body.
 struct WriteTimeout<S> {
     inner: S,
     limit: Duration,
     stalled: Option<Pin<Box<Sleep>>>,
+    /// Requests given to the router.
+    dispatched: Arc<AtomicUsize>,
+    /// Response heads written so far.
+    heads: usize,
+    /// A replacement for hyper's own error response, and how much of it is written.
+    replacement: Option<(Vec<u8>, usize)>,
 }
 
 impl<S> WriteTimeout<S> {
-    fn new(inner: S, limit: Duration) -> Self {
+    fn new(inner: S, limit: Duration, dispatched: Arc<AtomicUsize>) -> Self {
         WriteTimeout {
             inner,
             limit,
             stalled: None,
+            dispatched,
+            heads: 0,
+            replacement: None,
         }
+    }
+
+    /// A response head no request was dispatched for: hyper's own error. Its JSON twin.
+    fn replace_hyper_error(&mut self, buf: &[u8]) -> Option<Vec<u8>> {
+        // Not a head, or an interim 1xx (100 Continue) that comes before its request's head.
+        if !buf.starts_with(b"HTTP/1.") || buf.get(9) == Some(&b'1') {
+            return None;
+        }
+        self.heads += 1;
+        if self.heads <= self.dispatched.load(Ordering::SeqCst) {
+            return None;
+        }
+        let line_end = buf.windows(2).position(|w| w == b"\r\n")?;
+        let status_line = std::str::from_utf8(&buf[..line_end]).ok()?;
+        let code: u16 = status_line.split_whitespace().nth(1)?.parse().ok()?;
+        let message = match code {
+            414 => "The request target is too long.",
+            431 => "The request headers are too large.",
+            505 => "Only HTTP/1.0 and HTTP/1.1 are supported.",
+            408 => "The request headers did not arrive in time.",
+            _ => "The request could not be parsed as HTTP/1.1.",
+        };
+        let body = serde_json::json!({"error": {
+            "message": message, "type": "invalid_request_error", "param": null, "code": null,
+        }})
+        .to_string();
+        Some(
+            format!(
+                "{status_line}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+                 connection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .into_bytes(),
+        )
     }
 
     /// Called when the inner write is pending: arm the timer, or report that it ran out.
@@ -218,21 +288,37 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteTimeout<S> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if self.replacement.is_none() {
+            if let Some(bytes) = self.replace_hyper_error(buf) {
+                self.replacement = Some((bytes, 0));
+            }
+        }
+        // Hyper's own error response: write the replacement instead, then report `buf` written.
+        while let Some((bytes, done)) = self.replacement.take() {
+            if done == bytes.len() {
+                // Everything after a hyper error (nothing, normally) is dropped: the
+                // connection closes.
+                self.replacement = Some((bytes, done));
+                return Poll::Ready(Ok(buf.len()));
+            }
+            let poll = Pin::new(&mut self.inner).poll_write(cx, &bytes[done..]);
+            match self.track(cx, poll) {
+                Poll::Ready(Ok(n)) => self.replacement = Some((bytes, done + n)),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    self.replacement = Some((bytes, done));
+                    return Poll::Pending;
+                }
+            }
+        }
         let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
         self.track(cx, poll)
     }
 
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.track(cx, poll)
-    }
-
+    // Not vectored: hyper then hands each response over as one buffer starting with its head,
+    // which is what the error replacement above looks at.
     fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        false
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

@@ -513,3 +513,41 @@ fn a_queue_of_zero_fails_at_start() {
     .expect("--max-queue 0 must not start");
     assert!(err.to_string().contains("--max-queue"), "{err}");
 }
+
+/// hyper answers requests it cannot parse itself (400, 414 past its buffer, 505): with a JSON body
+/// too, and the connection closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unparsable_requests_get_json_errors_too() {
+    let server = start(Options::default()).await;
+    let long_target = format!("GET /{} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", "a".repeat(300_000));
+    for raw in [
+        "GARBAGE\r\n\r\n".to_string(),
+        "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n".into(),
+        "GET /health HTTP/9.9\r\nHost: 127.0.0.1\r\n\r\n".into(),
+        long_target,
+    ] {
+        let mut stream = TcpStream::connect(server.addr).await.unwrap();
+        let _ = stream.write_all(raw.as_bytes()).await;
+        let out = read_until_closed(&mut stream, Duration::from_secs(5))
+            .await
+            .expect("answered and closed");
+        let status = status_of(&out);
+        assert!((400..500).contains(&status) || status == 505, "{out}");
+        assert!(body_of(&out)["error"]["message"].is_string(), "{out}");
+    }
+    // Expect: 100-continue still works (the interim head is not mistaken for an error).
+    let body = json!({"messages": user("hi"), "max_tokens": 2}).to_string();
+    let mut stream = TcpStream::connect(server.addr).await.unwrap();
+    let head = format!(
+        "POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Expect: 100-continue\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut interim = [0u8; 25];
+    stream.read_exact(&mut interim).await.unwrap();
+    assert!(interim.starts_with(b"HTTP/1.1 100"), "{:?}", String::from_utf8_lossy(&interim));
+    stream.write_all(body.as_bytes()).await.unwrap();
+    let out = read_until_closed(&mut stream, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(status_of(out.trim_start()), 200, "{out}");
+}
