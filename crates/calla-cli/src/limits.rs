@@ -31,7 +31,10 @@ pub fn cache_mib(s: &str) -> Result<usize, String> {
 
 /// `--max-queue`: 1 ..= 1,000,000.
 pub fn queue_len(s: &str) -> Result<usize, String> {
-    let v: usize = s.trim().parse().map_err(|_| format!("{s:?} is not a count"))?;
+    let v: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a count"))?;
     if !(1..=1_000_000).contains(&v) {
         return Err("must be between 1 and 1000000 (0 would refuse every request)".into());
     }
@@ -40,7 +43,10 @@ pub fn queue_len(s: &str) -> Result<usize, String> {
 
 /// `--max-context`: at least 2 tokens (one prompt token, one generated).
 pub fn context_len(s: &str) -> Result<usize, String> {
-    let v: usize = s.trim().parse().map_err(|_| format!("{s:?} is not a count"))?;
+    let v: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a count"))?;
     if !(2..=1 << 24).contains(&v) {
         return Err("must be between 2 and 16777216 tokens".into());
     }
@@ -49,7 +55,10 @@ pub fn context_len(s: &str) -> Result<usize, String> {
 
 /// `--max-connections`: 1 ..= 1,000,000.
 pub fn connections(s: &str) -> Result<usize, String> {
-    let v: usize = s.trim().parse().map_err(|_| format!("{s:?} is not a count"))?;
+    let v: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a count"))?;
     if !(1..=1_000_000).contains(&v) {
         return Err("must be between 1 and 1000000".into());
     }
@@ -159,7 +168,10 @@ mod tests {
 
     #[test]
     fn origins() {
-        assert_eq!(origin("https://app.example/"), Ok("https://app.example".into()));
+        assert_eq!(
+            origin("https://app.example/"),
+            Ok("https://app.example".into())
+        );
         assert!(origin("*").is_ok());
         assert!(origin("app.example").is_err());
         assert!(origin("https://app.example/path").is_err());

@@ -190,7 +190,9 @@ fn load(
     // The CPU engine reads the map while serving: watch it.
     drop(loaded);
     match device {
-        Device::Cuda => tracing::info!("weights uploaded; the checkpoint files are no longer mapped"),
+        Device::Cuda => {
+            tracing::info!("weights uploaded; the checkpoint files are no longer mapped")
+        }
         Device::Cpu if !mapped.is_empty() => watch_mapped_files(mapped),
         Device::Cpu => {}
     }

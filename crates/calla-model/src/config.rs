@@ -557,14 +557,21 @@ impl ModelConfig {
         };
 
         let rms_norm_eps = t.rms_norm_eps.unwrap_or(1e-6);
-        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0 && rms_norm_eps <= limits::MAX_RMS_NORM_EPS) {
+        if !(rms_norm_eps.is_finite()
+            && rms_norm_eps > 0.0
+            && rms_norm_eps <= limits::MAX_RMS_NORM_EPS)
+        {
             return Err(config_error(
                 f("rms_norm_eps"),
                 format!("{rms_norm_eps:?}"),
                 format!("must be positive and at most {}", limits::MAX_RMS_NORM_EPS),
             ));
         }
-        if let FeedForwardSpec::Moe { shared_intermediate, .. } = &feed_forward {
+        if let FeedForwardSpec::Moe {
+            shared_intermediate,
+            ..
+        } = &feed_forward
+        {
             if *shared_intermediate > limits::max_of("shared_expert_intermediate_size") {
                 return Err(config_error(
                     f("shared_expert_intermediate_size"),

@@ -329,18 +329,28 @@ fn rejects_absurd_sizes_before_allocating() {
         ("vocab_size", json!(1u64 << 40), "1099511627776"),
         ("num_experts", json!(1_000_000), "1000000"),
         ("max_position_embeddings", json!(0), "0"),
-        ("max_position_embeddings", json!(i64::MAX), "9223372036854775807"),
+        (
+            "max_position_embeddings",
+            json!(i64::MAX),
+            "9223372036854775807",
+        ),
         ("rms_norm_eps", json!(1e308), "1e308"),
     ] {
         let mut v = qwen36_wrapper();
         v["text_config"][key] = value;
         if key == "num_hidden_layers" {
-            v["text_config"].as_object_mut().unwrap().remove("layer_types");
+            v["text_config"]
+                .as_object_mut()
+                .unwrap()
+                .remove("layer_types");
         }
         let started = std::time::Instant::now();
         let err = spec_of(&v).expect_err(key);
         assert_eq!(err.field, format!("text_config.{key}"), "{err}");
         assert_eq!(err.value, shown, "{err}");
-        assert!(started.elapsed() < std::time::Duration::from_secs(1), "{key}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(1),
+            "{key}"
+        );
     }
 }

@@ -18,8 +18,8 @@ use crate::spec::ModelSpec;
 use crate::weights::assemble::{assemble, ExpertLayout};
 use crate::weights::names::CheckpointStyle;
 use crate::weights::stats::{weight_stats, WeightStats};
-pub use crate::weights::store::{FileStamp, Residency};
 use crate::weights::store::{dtype_name, TensorStore};
+pub use crate::weights::store::{FileStamp, Residency};
 use crate::weights::{FeedForwardWeights, MixerWeights, Weights};
 
 pub use crate::error::LoadError;

@@ -25,7 +25,9 @@ impl Blob {
     /// A view of `owner[start..start + len]`. Panics if out of range (callers check sizes first).
     pub fn from_owner(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, start: usize, len: usize) -> Self {
         assert!(
-            start.checked_add(len).is_some_and(|end| end <= (*owner).as_ref().len()),
+            start
+                .checked_add(len)
+                .is_some_and(|end| end <= (*owner).as_ref().len()),
             "blob range out of bounds"
         );
         Blob { owner, start, len }

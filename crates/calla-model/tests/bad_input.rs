@@ -548,7 +548,10 @@ fn offsets_that_wrap_past_2_64_are_an_error() {
     let path = dir.path().join("model.safetensors");
     let mut victim = String::new();
     rewrite_header(&path, |entries| {
-        let (name, value) = entries.iter_mut().find(|(n, _)| n != "__metadata__").unwrap();
+        let (name, value) = entries
+            .iter_mut()
+            .find(|(n, _)| n != "__metadata__")
+            .unwrap();
         victim = name.clone();
         let (begin, end) = offsets(value);
         let new_begin = u64::MAX - (end - begin) - 7;
@@ -569,7 +572,11 @@ fn duplicate_tensor_names_in_one_header_are_an_error() {
     let path = dir.path().join("model.safetensors");
     let mut twice = String::new();
     rewrite_header(&path, |entries| {
-        let entry = entries.iter().find(|(n, _)| n != "__metadata__").unwrap().clone();
+        let entry = entries
+            .iter()
+            .find(|(n, _)| n != "__metadata__")
+            .unwrap()
+            .clone();
         twice = entry.0.clone();
         entries.push(entry);
     });
@@ -621,7 +628,11 @@ fn a_fifo_in_place_of_the_weights_is_an_error_not_a_hang() {
     let (tx, rx) = std::sync::mpsc::channel();
     let dir_path = dir.path().to_path_buf();
     std::thread::spawn(move || {
-        let _ = tx.send(load_model(&dir_path, &LoadOptions::default()).err().map(|e| e.to_string()));
+        let _ = tx.send(
+            load_model(&dir_path, &LoadOptions::default())
+                .err()
+                .map(|e| e.to_string()),
+        );
     });
     let err = rx
         .recv_timeout(std::time::Duration::from_secs(10))

@@ -8,7 +8,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use calla_model::config::ModelConfig;
 use calla_model::load::{load_model, LoadOptions, Quant};
 use calla_model::synthetic::{preset, random_weights};
-use calla_model::weights::export::{checkpoint_tensors, config_json, write_checkpoint, ExportOptions};
+use calla_model::weights::export::{
+    checkpoint_tensors, config_json, write_checkpoint, ExportOptions,
+};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -43,7 +45,10 @@ fn load_does_not_panic(config: &Value, weights: &[u8]) -> Result<(), TestCaseErr
 
 /// PROPTEST_CASES, or `default` (CI's bounded run).
 fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// A JSON number that is sometimes sane and sometimes absurd.

@@ -99,7 +99,13 @@ fn is_json(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase())
+        .map(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        })
         .is_some_and(|essence| {
             essence == "application/json"
                 || (essence.starts_with("application/") && essence.ends_with("+json"))
@@ -113,9 +119,10 @@ fn refuse(status: StatusCode, kind: &'static str, message: String) -> Response {
         StatusCode::URI_TOO_LONG | StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
     ) {
         // The rest of such a request is not worth reading.
-        response
-            .headers_mut()
-            .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+        response.headers_mut().insert(
+            header::CONNECTION,
+            header::HeaderValue::from_static("close"),
+        );
     }
     response
 }
@@ -227,16 +234,18 @@ pub async fn read_body(
                     state.config.limits.body_timeout.as_secs_f64()
                 ),
             );
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+            response.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
             return response;
         }
         Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
             let mut response = ApiError::too_large().into_response();
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+            response.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
             return response;
         }
         Ok(Err(e)) => {
@@ -245,7 +254,8 @@ pub async fn read_body(
         }
         Ok(Ok(collected)) => collected.to_bytes(),
     };
-    next.run(Request::from_parts(parts, Body::from(bytes))).await
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
 }
 
 #[cfg(test)]
@@ -280,12 +290,7 @@ mod tests {
     #[test]
     fn origins() {
         let local = allowed_hosts_for("127.0.0.1");
-        assert!(origin_allowed(
-            &local,
-            &[],
-            None,
-            "http://localhost:3000"
-        ));
+        assert!(origin_allowed(&local, &[], None, "http://localhost:3000"));
         assert!(!origin_allowed(&local, &[], None, "https://evil.example"));
         assert!(!origin_allowed(&local, &[], None, "null"));
         assert!(origin_allowed(

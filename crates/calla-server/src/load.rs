@@ -1,8 +1,8 @@
 //! A checkpoint directory + a backend → a [`Runtime`]: tokenizer, chat template, sampling defaults,
 //! the engine thread.
 
-use std::path::Path;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;

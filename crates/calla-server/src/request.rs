@@ -48,7 +48,9 @@ pub fn check_prompt_bytes(bytes: usize, limit: usize, param: &str) -> Result<(),
             code: Some("context_length_exceeded"),
             ..ApiError::bad_param(
                 param,
-                format!("The prompt has {bytes} bytes of text; this server accepts at most {limit}."),
+                format!(
+                    "The prompt has {bytes} bytes of text; this server accepts at most {limit}."
+                ),
             )
         });
     }

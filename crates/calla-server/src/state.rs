@@ -7,9 +7,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use calla_chat::ChatTemplate;
-use tokio::sync::Semaphore;
 use calla_engine::scheduler::Scheduler;
 use calla_model::load::GenerationDefaults;
+use tokio::sync::Semaphore;
 
 use crate::auth::ApiKey;
 use crate::codec::TextCodec;
@@ -54,7 +54,8 @@ impl Default for ServerConfig {
             allowed_hosts: crate::guard::allowed_hosts_for("127.0.0.1"),
             cors_origins: Vec::new(),
             limits: Limits::default(),
-            prepare_threads: std::thread::available_parallelism().map_or(2, |n| n.get().clamp(1, 8)),
+            prepare_threads: std::thread::available_parallelism()
+                .map_or(2, |n| n.get().clamp(1, 8)),
         }
     }
 }

@@ -32,7 +32,10 @@ fn fixture() -> &'static Fixture {
 }
 
 fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Any JSON value, small.
@@ -44,18 +47,39 @@ fn value() -> impl Strategy<Value = Json> {
         (-3i64..40).prop_map(|v| json!(v)),
         any::<f64>().prop_map(|v| json!(v)),
         "[a-z<>|{}\\\\\"\u{e9}\u{1F600} ]{0,12}".prop_map(Json::String),
-        prop_oneof![Just("user"), Just("assistant"), Just("system"), Just("tool"), Just("function"),
-                    Just("auto"), Just("none"), Just("required"), Just("text"), Just("test-model")]
-            .prop_map(|s| json!(s)),
+        prop_oneof![
+            Just("user"),
+            Just("assistant"),
+            Just("system"),
+            Just("tool"),
+            Just("function"),
+            Just("auto"),
+            Just("none"),
+            Just("required"),
+            Just("text"),
+            Just("test-model")
+        ]
+        .prop_map(|s| json!(s)),
     ];
     leaf.prop_recursive(3, 24, 4, |inner| {
         prop_oneof![
             prop::collection::vec(inner.clone(), 0..4).prop_map(Json::Array),
             prop::collection::btree_map(
-                prop_oneof![Just("role"), Just("content"), Just("type"), Just("text"), Just("name"),
-                            Just("function"), Just("arguments"), Just("tool_calls"), Just("id"),
-                            Just("image_url"), Just("parameters"), Just("reasoning_content")]
-                    .prop_map(String::from),
+                prop_oneof![
+                    Just("role"),
+                    Just("content"),
+                    Just("type"),
+                    Just("text"),
+                    Just("name"),
+                    Just("function"),
+                    Just("arguments"),
+                    Just("tool_calls"),
+                    Just("id"),
+                    Just("image_url"),
+                    Just("parameters"),
+                    Just("reasoning_content")
+                ]
+                .prop_map(String::from),
                 inner,
                 0..4,
             )
@@ -65,10 +89,30 @@ fn value() -> impl Strategy<Value = Json> {
 }
 
 const FIELDS: [&str; 24] = [
-    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-    "top_k", "min_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "top_logprobs",
-    "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "tools",
-    "tool_choice", "chat_template_kwargs", "echo",
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "echo",
 ];
 
 fn body() -> impl Strategy<Value = Json> {

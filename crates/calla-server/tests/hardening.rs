@@ -47,7 +47,8 @@ async fn read_until_closed(stream: &mut TcpStream, within: Duration) -> Option<S
         }
     })
     .await;
-    read.ok().map(|_| String::from_utf8_lossy(&out).into_owned())
+    read.ok()
+        .map(|_| String::from_utf8_lossy(&out).into_owned())
 }
 
 fn body_of(raw: &str) -> Json {
@@ -164,10 +165,19 @@ async fn a_client_that_stops_reading_is_dropped_and_its_work_cancelled() {
     // Never read. The socket buffers fill, the write stalls, the server gives up and cancels.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        if server.state.metrics.requests_cancelled.load(Ordering::SeqCst) == 1 {
+        if server
+            .state
+            .metrics
+            .requests_cancelled
+            .load(Ordering::SeqCst)
+            == 1
+        {
             break;
         }
-        assert!(Instant::now() < deadline, "the stalled stream was never dropped");
+        assert!(
+            Instant::now() < deadline,
+            "the stalled stream was never dropped"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(server.steps.load(Ordering::SeqCst) < 400_000);
@@ -254,11 +264,18 @@ async fn web_pages_cannot_drive_the_server() {
     )
     .await;
     assert_eq!(status_of(&r), 403, "{r}");
-    let r = raw(&[("Host", "localhost"), ("Origin", "null")], "application/json").await;
+    let r = raw(
+        &[("Host", "localhost"), ("Origin", "null")],
+        "application/json",
+    )
+    .await;
     assert_eq!(status_of(&r), 403, "{r}");
     // The server's own names, with and without an Origin, and JSON with a charset.
     let r = raw(
-        &[("Host", "localhost:8000"), ("Origin", "http://localhost:8000")],
+        &[
+            ("Host", "localhost:8000"),
+            ("Origin", "http://localhost:8000"),
+        ],
         "application/json; charset=utf-8",
     )
     .await;
@@ -341,7 +358,10 @@ impl calla_server::TextCodec for SlowCodec {
 }
 
 /// /health answers within `within` while `busy` runs.
-async fn health_stays_up_during(addr: std::net::SocketAddr, busy: Vec<tokio::task::JoinHandle<Response>>) -> Vec<Response> {
+async fn health_stays_up_during(
+    addr: std::net::SocketAddr,
+    busy: Vec<tokio::task::JoinHandle<Response>>,
+) -> Vec<Response> {
     tokio::time::sleep(Duration::from_millis(100)).await;
     for _ in 0..3 {
         let asked = Instant::now();
@@ -370,7 +390,12 @@ async fn tokenizing_does_not_stop_the_async_workers() {
     let busy = (0..2)
         .map(|i| {
             tokio::spawn(async move {
-                post(addr, "/v1/completions", &json!({"prompt": format!("p{i}"), "max_tokens": 1})).await
+                post(
+                    addr,
+                    "/v1/completions",
+                    &json!({"prompt": format!("p{i}"), "max_tokens": 1}),
+                )
+                .await
             })
         })
         .collect();
@@ -421,7 +446,9 @@ async fn a_runaway_template_is_stopped_and_the_server_keeps_serving() {
     })
     .await;
     let addr = server.addr;
-    let busy = vec![tokio::spawn(async move { post(addr, CHAT, &json!({"messages": user("hi")})).await })];
+    let busy = vec![tokio::spawn(async move {
+        post(addr, CHAT, &json!({"messages": user("hi")})).await
+    })];
     let replies = health_stays_up_during(addr, busy).await;
     assert_eq!(replies[0].status, 400, "{}", replies[0].body);
     assert!(replies[0].json()["error"]["message"]
@@ -445,12 +472,15 @@ async fn an_empty_chat_template_is_a_400() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loader_panic_is_a_load_failure_not_success() {
     let state = AppState::new(ServerConfig::default());
-    let report = calla_server::load_in_background(Arc::clone(&state), || {
-        panic!("blob range out of bounds")
-    })
-    .await;
+    let report =
+        calla_server::load_in_background(Arc::clone(&state), || panic!("blob range out of bounds"))
+            .await;
     let err = calla_server::load_outcome(report).unwrap_err();
-    assert!(err.to_string().contains("panicked: blob range out of bounds"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("panicked: blob range out of bounds"),
+        "{err}"
+    );
     assert!(!state.is_ready());
     let report = calla_server::load_in_background(Arc::clone(&state), || {
         anyhow::bail!("config.json: broken")
@@ -482,7 +512,12 @@ async fn a_request_that_can_never_fit_the_queue_is_a_400_not_a_429() {
         ..Options::default()
     })
     .await;
-    let r = post(server.addr, CHAT, &json!({"messages": user("x"), "n": 3, "max_tokens": 1})).await;
+    let r = post(
+        server.addr,
+        CHAT,
+        &json!({"messages": user("x"), "n": 3, "max_tokens": 1}),
+    )
+    .await;
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.json()["error"]["param"], "n");
     let r = post(
@@ -493,7 +528,12 @@ async fn a_request_that_can_never_fit_the_queue_is_a_400_not_a_429() {
     .await;
     assert_eq!(r.status, 400, "{}", r.body);
     // What fits is served.
-    let r = post(server.addr, CHAT, &json!({"messages": user("x"), "n": 2, "max_tokens": 1})).await;
+    let r = post(
+        server.addr,
+        CHAT,
+        &json!({"messages": user("x"), "n": 2, "max_tokens": 1}),
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", r.body);
 }
 
@@ -519,7 +559,10 @@ fn a_queue_of_zero_fails_at_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unparsable_requests_get_json_errors_too() {
     let server = start(Options::default()).await;
-    let long_target = format!("GET /{} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", "a".repeat(300_000));
+    let long_target = format!(
+        "GET /{} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        "a".repeat(300_000)
+    );
     for raw in [
         "GARBAGE\r\n\r\n".to_string(),
         "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n".into(),
@@ -546,8 +589,14 @@ async fn unparsable_requests_get_json_errors_too() {
     stream.write_all(head.as_bytes()).await.unwrap();
     let mut interim = [0u8; 25];
     stream.read_exact(&mut interim).await.unwrap();
-    assert!(interim.starts_with(b"HTTP/1.1 100"), "{:?}", String::from_utf8_lossy(&interim));
+    assert!(
+        interim.starts_with(b"HTTP/1.1 100"),
+        "{:?}",
+        String::from_utf8_lossy(&interim)
+    );
     stream.write_all(body.as_bytes()).await.unwrap();
-    let out = read_until_closed(&mut stream, Duration::from_secs(5)).await.unwrap();
+    let out = read_until_closed(&mut stream, Duration::from_secs(5))
+        .await
+        .unwrap();
     assert_eq!(status_of(out.trim_start()), 200, "{out}");
 }

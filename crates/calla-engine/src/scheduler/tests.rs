@@ -488,7 +488,9 @@ fn cancellation_stops_a_long_prefill_between_chunks() {
         },
     );
     let (tx, rx) = mpsc::channel();
-    let prompt: Vec<u32> = (0..20 * PREFILL_CHUNK as u32).map(|i| i % (VOCAB - 1)).collect();
+    let prompt: Vec<u32> = (0..20 * PREFILL_CHUNK as u32)
+        .map(|i| i % (VOCAB - 1))
+        .collect();
     let (j, cancel) = job(0, prompt.clone(), 10, &tx);
     scheduler.submit(vec![j]).unwrap();
     let report = loop {
@@ -501,5 +503,8 @@ fn cancellation_stops_a_long_prefill_between_chunks() {
     assert_eq!(report.finish, JobFinish::Cancelled);
     assert_eq!(report.prompt_tokens, prompt.len());
     let ran = forwarded.load(Ordering::SeqCst);
-    assert!(ran <= 2 * PREFILL_CHUNK, "{ran} prompt tokens ran after the cancellation");
+    assert!(
+        ran <= 2 * PREFILL_CHUNK,
+        "{ran} prompt tokens ran after the cancellation"
+    );
 }

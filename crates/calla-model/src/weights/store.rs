@@ -410,7 +410,10 @@ impl<'de> serde::Deserialize<'de> for HeaderEntries {
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<HeaderEntries, A::Error> {
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<HeaderEntries, A::Error> {
                 let mut entries = Vec::new();
                 while let Some(entry) = map.next_entry::<String, serde_json::Value>()? {
                     entries.push(entry);
@@ -461,7 +464,9 @@ fn parse_header(
     let mut seen = BTreeSet::new();
     for (name, _) in &header {
         if !seen.insert(name.as_str()) {
-            return Err(corrupt(format!("tensor `{name}` appears twice in the header")));
+            return Err(corrupt(format!(
+                "tensor `{name}` appears twice in the header"
+            )));
         }
     }
     let mut entries = Vec::with_capacity(header.len());
