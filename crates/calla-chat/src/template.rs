@@ -76,6 +76,16 @@ impl ChatTemplate {
     /// which "default" is taken).
     pub fn from_dir(dir: &Path) -> Result<ChatTemplate, TemplateError> {
         let config_path = dir.join("tokenizer_config.json");
+        let jinja_path = dir.join("chat_template.jinja");
+        for path in [&config_path, &jinja_path] {
+            // A FIFO or device under these names would block the read for ever.
+            if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+                return Err(TemplateError::Load {
+                    path: path.display().to_string(),
+                    message: "not a regular file (a FIFO, device or directory)".into(),
+                });
+            }
+        }
         let config: Option<Json> = match std::fs::read_to_string(&config_path) {
             Ok(text) => Some(
                 serde_json::from_str(&text).map_err(|e| TemplateError::Load {
@@ -91,7 +101,6 @@ impl ChatTemplate {
                 })
             }
         };
-        let jinja_path = dir.join("chat_template.jinja");
         let source = match std::fs::read_to_string(&jinja_path) {
             Ok(text) => text,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => config

@@ -57,6 +57,13 @@ impl Tokenizer {
     }
 
     pub fn from_file(path: &Path) -> Result<Tokenizer, TokenizerError> {
+        // A FIFO or device named tokenizer.json would block the read for ever.
+        if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+            return Err(TokenizerError::Invalid {
+                path: path.to_path_buf(),
+                detail: "not a regular file (a FIFO, device or directory)".into(),
+            });
+        }
         let bytes = std::fs::read(path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => TokenizerError::Missing {
                 path: path.to_path_buf(),

@@ -600,3 +600,45 @@ async fn unparsable_requests_get_json_errors_too() {
         .unwrap();
     assert_eq!(status_of(out.trim_start()), 200, "{out}");
 }
+
+/// FIFOs in place of tokenizer.json or chat_template.jinja: an error at start, not a hang.
+#[cfg(unix)]
+#[test]
+fn fifos_in_place_of_the_tokenizer_or_template_do_not_hang() {
+    let fixture = repo_root().join("tests/fixtures/models/qwen35moe-causal-perexpert");
+    for name in ["tokenizer.json", "chat_template.jinja"] {
+        let dir = std::env::temp_dir().join(format!("calla-fifo-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for entry in std::fs::read_dir(&fixture).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_name() != name {
+                std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+            }
+        }
+        let made = std::process::Command::new("mkfifo")
+            .arg(dir.join(name))
+            .status();
+        if !made.is_ok_and(|s| s.success()) {
+            eprintln!("mkfifo unavailable: skipped");
+            return;
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let d = dir.clone();
+        std::thread::spawn(move || {
+            let r = calla_server::start_runtime(
+                &d,
+                Box::new(script_backend(64)),
+                Default::default(),
+                &calla_server::RuntimeOptions::default(),
+            );
+            let _ = tx.send(r.err().map(|e| format!("{e:#}")));
+        });
+        let err = rx
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("start_runtime hung on a FIFO {name}"));
+        let err = err.expect("must not start");
+        assert!(err.contains("regular file"), "{name}: {err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
