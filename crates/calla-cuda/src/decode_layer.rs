@@ -167,6 +167,7 @@ pub fn layer_launches(
             let value_dim = spec.linear_value_dim();
             let gs = dw.in_proj[0].group_size;
             if deltanet::check_dims(spec).is_err()
+                || crate::deltanet_general::decode_is_general(spec)
                 || !dw.in_proj.iter().all(|m| q4(m) && m.group_size == gs)
                 || dw.in_proj.len() > 4
                 || !q4(&dw.out_proj)

@@ -23,6 +23,8 @@ macro_rules! kernel_source {
 
 pub const MATVEC: KernelSource = kernel_source!("matvec");
 pub const DELTANET: KernelSource = kernel_source!("deltanet");
+/// DeltaNet head dims the compiled kernels do not cover (deltanet_general.rs); on demand.
+pub const DELTANET_GENERAL: KernelSource = kernel_source!("deltanet_general");
 pub const MOE: KernelSource = kernel_source!("moe");
 pub const SELECT: KernelSource = kernel_source!("select");
 pub const FILL: KernelSource = kernel_source!("fill");
@@ -92,9 +94,9 @@ pub const ALL: &[&KernelSource] = &[
 ];
 
 /// Modules compiled and loaded the first time one of their kernels is asked for: the opt-in
-/// persistent decode layer (CALLA_DECODE=layer) and the lab's streaming floor, so that start-up
-/// does not compile them for everyone.
-pub const ON_DEMAND: &[&KernelSource] = &[&DECODE_LAYER, &LAB_STREAM];
+/// persistent decode layer (CALLA_DECODE=layer), the lab's streaming floor and the DeltaNet kernels
+/// for head dims without a compiled copy, so that start-up does not compile them for everyone.
+pub const ON_DEMAND: &[&KernelSource] = &[&DECODE_LAYER, &LAB_STREAM, &DELTANET_GENERAL];
 
 /// Whether a launcher may pick a kernel compiled for Qwen3.5/3.6's dims (docs/performance.md,
 /// sessions 18–19) over the general one it was made from: yes unless the lab switch `switch`

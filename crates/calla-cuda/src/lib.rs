@@ -5,6 +5,7 @@ pub mod attention;
 pub mod backend;
 pub mod decode_layer;
 pub mod deltanet;
+pub mod deltanet_general;
 pub mod forward;
 pub mod gpu;
 pub mod graph;
