@@ -26,3 +26,6 @@ mod grid_sync;
 
 #[path = "gpu/stream_floor.rs"]
 mod stream_floor;
+
+#[path = "gpu/dn_general.rs"]
+mod dn_general;
