@@ -159,9 +159,7 @@ pub fn parts_kernel(spec: &ModelSpec) -> String {
         && spec.linear_value_head_dim == 128
         && spec.linear_conv_kernel_dim == 4
         && spec.linear_num_value_heads == 2 * spec.linear_num_key_heads;
-    if crate::deltanet_general::decode_is_general(spec) {
-        "dngen_decode_parts".to_string()
-    } else if qwen35 && crate::kernels::compiled_copy_allowed("CALLA_LAB_DN_GENERIC") {
+    if qwen35 && crate::kernels::compiled_copy_allowed("CALLA_LAB_DN_GENERIC") {
         format!("deltanet_decode_kpl4_split{SPLIT}_parts_k4_v128_r2")
     } else {
         format!(

@@ -203,6 +203,20 @@ mod tests {
         assert!(deltanet::check_dims(&spec(64, 0)).is_err());
     }
 
+    /// The names the launchers ask for are kernels of the module `gpu::module_of` maps them to.
+    #[test]
+    fn the_launched_kernels_exist() {
+        let src = crate::kernels::DELTANET_GENERAL.source;
+        for name in ["dngen_decode", "dngen_decode_parts", "dngen_prefill_scan"] {
+            let def = format!(" {name}(const ");
+            assert!(
+                src.lines()
+                    .any(|l| l.starts_with("extern \"C\" __global__") && l.contains(&def)),
+                "deltanet_general.cu defines no kernel {name}"
+            );
+        }
+    }
+
     #[test]
     fn scan_parameters_match_the_kernel() {
         assert_eq!(std::mem::size_of::<DngScanParams>(), 80);
