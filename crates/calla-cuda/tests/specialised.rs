@@ -7,8 +7,8 @@
 
 use calla_cuda::ops::matvec::HeadNorm;
 use calla_cuda::ops::moe::{RouteParams, RouteTail};
-use calla_cuda::runtime::kernels::{KernelSource, ATTENTION, DELTANET, MATVEC_TC};
 use calla_cuda::ops::{attention, deltanet, matvec, moe};
+use calla_cuda::runtime::kernels::{KernelSource, ATTENTION, DELTANET, MATVEC_TC};
 use calla_model::synthetic::preset;
 
 /// Whether `src` defines `extern "C" __global__ … name(`.
