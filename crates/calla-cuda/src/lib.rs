@@ -17,6 +17,7 @@ pub mod nvrtc;
 pub mod pool;
 pub mod prefill;
 pub mod probe;
+pub mod usable_gpu;
 pub mod select;
 pub mod sequence;
 pub mod weights;
