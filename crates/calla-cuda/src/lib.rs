@@ -17,9 +17,9 @@ pub mod nvrtc;
 pub mod pool;
 pub mod prefill;
 pub mod probe;
-pub mod usable_gpu;
 pub mod select;
 pub mod sequence;
+pub mod usable_gpu;
 pub mod weights;
 // The prompt (prefill) path: batched kernels (second CUDA engineer).
 pub mod attention_prefill;
