@@ -9,7 +9,7 @@
 //! </function>
 //! </tool_call>
 //! ```
-//! As vLLM's and mlx-lm's `qwen3_coder` parsers do (model.md §4.5): one leading and one trailing `\n`
+//! As vLLM's and mlx-lm's `qwen3_coder` parsers do: one leading and one trailing `\n`
 //! of a value are framing; a value ends at `</parameter>`, or at the next `<parameter=` or
 //! `</function>` when the model forgot to close it; the value is typed by the tool's JSON schema
 //! (integer, number, boolean, object/array as JSON, "null" → null, anything else a string). Streaming

@@ -9,17 +9,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use calla_model::load::{load_model, LoadOptions, Quant};
+use calla_model::load::{load_model, LoadOptions};
 use calla_server::{start_runtime, AppState, RuntimeOptions, ServerConfig};
 
-use crate::device::{open_backend, CudaFlags, Device};
+use crate::args::{CacheArgs, DeviceArgs, ModelArgs, SamplingArgs};
+use crate::device::open_backend;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Checkpoint directory (Hugging Face or MLX layout). Without it: the bundled tiny demo
-    /// checkpoint, whose random weights write meaningless text.
-    #[arg(long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Address to listen on (loopback unless told otherwise).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -31,22 +30,16 @@ pub struct Args {
     /// The model name clients send (default: the checkpoint directory's name).
     #[arg(long)]
     served_model_name: Option<String>,
-    #[arg(long, value_enum, default_value = "cpu")]
-    device: Device,
     #[command(flatten)]
-    cuda: CudaFlags,
-    /// Convert weights at load (q4, q8, bf16, f32); default: keep the stored formats.
-    #[arg(long)]
-    quant: Option<Quant>,
+    device: DeviceArgs,
+    /// Sampling defaults for requests that do not set them (over generation_config.json).
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    #[command(flatten)]
+    cache: CacheArgs,
     /// Requests that may wait for the engine; more get 429.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
-    /// Longest prompt + output in tokens (default and maximum: the model's context).
-    #[arg(long)]
-    max_context: Option<usize>,
-    /// Memory for saved prompt states (prefix cache), in MiB; 0 disables it.
-    #[arg(long, default_value_t = 4096)]
-    prefix_cache_mb: usize,
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 16)]
     max_body_mb: usize,
@@ -56,7 +49,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let (dir, demo) = match &args.model {
+    args.sampling.check()?;
+    let (dir, demo) = match &args.model.model {
         Some(dir) => (dir.clone(), false),
         None => (demo_checkpoint()?, true),
     };
@@ -112,12 +106,12 @@ pub fn run(args: Args) -> Result<()> {
         let loader_state = Arc::clone(&state);
         let options = RuntimeOptions {
             max_queue: args.max_queue,
-            max_context: args.max_context,
-            prefix_cache_bytes: args.prefix_cache_mb << 20,
+            max_context: args.cache.max_context,
+            prefix_cache_bytes: args.cache.prefix_cache_bytes(),
         };
-        let (device, quant, cuda) = (args.device, args.quant, args.cuda);
+        let (model, device, sampling) = (args.model.clone(), args.device, args.sampling);
         tokio::task::spawn_blocking(move || {
-            match load(&dir, device, quant, &cuda, &options) {
+            match load(&dir, &model, &device, &sampling, options) {
                 Ok(runtime) => {
                     tracing::info!(
                         "ready: {} on {}, context {} tokens",
@@ -163,14 +157,16 @@ pub fn run(args: Args) -> Result<()> {
 
 fn load(
     dir: &Path,
-    device: Device,
-    quant: Option<Quant>,
-    cuda: &CudaFlags,
-    options: &RuntimeOptions,
+    model: &ModelArgs,
+    device: &DeviceArgs,
+    sampling: &SamplingArgs,
+    mut options: RuntimeOptions,
 ) -> Result<calla_server::Runtime> {
-    let loaded = load_model(dir, &LoadOptions { quant })?;
-    let backend = open_backend(&loaded, device, cuda)?;
-    start_runtime(dir, backend, loaded.generation.clone(), options)
+    let loaded = load_model(dir, &LoadOptions { quant: model.quant })?;
+    let defaults = sampling.over(loaded.generation.clone())?;
+    let opened = open_backend(&loaded, device, options.max_context)?;
+    options.max_context = opened.capacity;
+    start_runtime(dir, opened.backend, defaults, &options)
 }
 
 /// Ctrl-C or SIGTERM.

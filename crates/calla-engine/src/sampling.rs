@@ -201,8 +201,8 @@ pub fn adjusted_logits(logits: &[f32], sel: &Selection) -> Vec<f32> {
 ///
 /// The sums are a pairwise tree over the id space, not a running sum in id order: the same f32
 /// values on every backend (exact zeros for the ids not kept change nothing), and a GPU computes them
-/// in parallel, where a sequential sum over 248K ids cost it ~28 ms per token (docs/performance.md,
-/// session 14).
+/// in parallel, where a sequential sum over 248K ids cost it ~28 ms per token (docs/experiments.md,
+/// "Token selection and sampling").
 pub fn select_token(logits: &[f32], sel: &Selection) -> TokenChoice {
     let p = sel.params;
     let lse = log_sum_exp(logits);
