@@ -18,6 +18,7 @@ use crate::params::{from_body, GenParams, SamplingFields};
 use crate::request::{check_model, parse_body, Usage};
 use crate::sse::{self, Flow, Reply};
 use crate::state::{unix_now, AppState};
+use crate::unknown::{warn_unknown_fields, COMPLETION_FIELDS};
 
 pub const DEFAULT_MAX_TOKENS: usize = 16;
 
@@ -82,6 +83,7 @@ fn prompt_ids(
 fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
     let runtime = state.runtime()?;
     let body = parse_body(body)?;
+    warn_unknown_fields(&body, COMPLETION_FIELDS, "/v1/completions");
     let common: SamplingFields = from_body(&body)?;
     let fields: CompletionFields = from_body(&body)?;
     check_model(state, common.model.as_deref())?;
@@ -164,6 +166,7 @@ pub async fn completions(
                 choice: p * n + i,
                 prompt: ids.clone(),
                 save_prefixes: Vec::new(),
+                constraint: None,
             });
         }
     }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use calla_chat::{StopMatcher, StopOutcome};
 use calla_engine::scheduler::{Job, JobFinish, JobReport, JobSink, JobStart};
-use calla_engine::TokenChoice;
+use calla_engine::{TokenChoice, TokenConstraint};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::codec::{IncrementalText, TextCodec};
@@ -48,6 +48,8 @@ pub struct Finished {
     pub report: JobReport,
     /// A stop string ended generation.
     pub stopped_by_string: bool,
+    /// Which one (an index into the request's non-empty stop strings).
+    pub stop_string: Option<usize>,
 }
 
 impl Finished {
@@ -69,6 +71,7 @@ struct TextSink {
     decoder: IncrementalText,
     stop: StopMatcher,
     stopped_by_string: bool,
+    stop_string: Option<usize>,
     want_logprobs: bool,
     state: Arc<AppState>,
     arrival: Instant,
@@ -124,9 +127,10 @@ impl JobSink for TextSink {
                 self.send(GenEvent::Text { text, logprob });
                 ControlFlow::Continue(())
             }
-            StopOutcome::Stopped { text, .. } => {
+            StopOutcome::Stopped { text, stop } => {
                 self.send(GenEvent::Text { text, logprob });
                 self.stopped_by_string = true;
+                self.stop_string = Some(stop);
                 ControlFlow::Break(())
             }
         }
@@ -145,8 +149,9 @@ impl JobSink for TextSink {
                 let tail = self.decoder.finish(self.codec.as_ref());
                 let mut text = match self.stop.push(&tail) {
                     StopOutcome::Continue(text) => text,
-                    StopOutcome::Stopped { text, .. } => {
+                    StopOutcome::Stopped { text, stop } => {
                         self.stopped_by_string = true;
+                        self.stop_string = Some(stop);
                         text
                     }
                 };
@@ -177,6 +182,7 @@ impl JobSink for TextSink {
             Finished {
                 report,
                 stopped_by_string: self.stopped_by_string,
+                stop_string: self.stop_string,
             }
         });
         if result.is_err() {
@@ -192,6 +198,8 @@ pub struct Work {
     pub choice: usize,
     pub prompt: Vec<u32>,
     pub save_prefixes: Vec<usize>,
+    /// Constrained decoding (structured.rs), or None.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 /// Queue every choice of a request (all or none) and return the channel their events arrive on.
@@ -219,6 +227,7 @@ pub fn submit(
                 ignore_eos: params.ignore_eos,
                 top_logprobs: top_logprobs.unwrap_or(0),
                 save_prefixes: w.save_prefixes,
+                constraint: w.constraint,
                 sink: Box::new(TextSink {
                     choice: w.choice,
                     tx: tx.clone(),
@@ -226,6 +235,7 @@ pub fn submit(
                     decoder: IncrementalText::new(),
                     stop: StopMatcher::new(&params.stop),
                     stopped_by_string: false,
+                    stop_string: None,
                     want_logprobs: top_logprobs.is_some(),
                     state: Arc::clone(state),
                     arrival,
@@ -250,6 +260,8 @@ pub struct RequestLog {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// Token texts received: what a client that went away was sent (its jobs never report).
+    pub tokens_seen: usize,
     pub queued: Option<Duration>,
     pub first_token: Option<Duration>,
     pub finish_reasons: Vec<&'static str>,
@@ -269,6 +281,7 @@ impl RequestLog {
             prompt_tokens: 0,
             cached_tokens: 0,
             completion_tokens: 0,
+            tokens_seen: 0,
             queued: None,
             first_token: None,
             finish_reasons: Vec::new(),
@@ -291,6 +304,7 @@ impl RequestLog {
                 }
             }
             GenEvent::Text { text, .. } => {
+                self.tokens_seen += 1;
                 if self.first_token.is_none() {
                     self.first_token = Some(self.arrival.elapsed());
                 }
@@ -310,6 +324,10 @@ impl RequestLog {
 
 impl Drop for RequestLog {
     fn drop(&mut self) {
+        if !self.complete {
+            // Cancelled mid-stream: count what was generated and sent.
+            self.completion_tokens = self.completion_tokens.max(self.tokens_seen);
+        }
         let total = self.arrival.elapsed();
         let ms = |d: Option<Duration>| {
             d.map_or("-".to_string(), |d| format!("{:.1}", d.as_secs_f64() * 1e3))

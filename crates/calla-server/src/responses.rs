@@ -1,0 +1,770 @@
+//! POST /v1/responses (and GET /v1/responses/{id}): the OpenAI Responses API.
+//!
+//! `input` (a string, or items: messages with `input_text` / `output_text` parts, `function_call`,
+//! `function_call_output`, `reasoning`) and `instructions` become chat messages and run as one chat
+//! turn (turn.rs). Honoured: function `tools`, `tool_choice`, `parallel_tool_calls`,
+//! `max_output_tokens`, `temperature`, `top_p`, `text.format` (json_object / json_schema, enforced
+//! by constrained decoding), `reasoning.effort` ("none" turns the template's thinking off),
+//! `stream`, `store`, and `previous_response_id`: the last [`STORED`] stored responses are kept
+//! in memory with their conversation, so a follow-up sends only what is new (and the prefix cache
+//! reuses the state); an unknown id is a 400. Other tool types, images and files are refused.
+//!
+//! Streaming: `response.created`, `response.in_progress`, per output item
+//! `response.output_item.added` … (`response.content_part.added`, `response.output_text.delta` /
+//! `.done`, `response.content_part.done`; `response.reasoning_text.delta` / `.done`;
+//! `response.function_call_arguments.delta` / `.done`) … `response.output_item.done`, then
+//! `response.completed` (or `response.incomplete` at max_output_tokens), each with its
+//! `sequence_number`, as named SSE events; no `[DONE]`.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use axum::Json as JsonBody;
+use serde_json::{json, Map, Value as Json};
+
+use crate::chat::ToolChoice;
+use crate::errors::ApiError;
+use crate::generation::{Events, GenEvent, RequestLog};
+use crate::request::{check_model, parse_body};
+use crate::sse::{self, typed_event, Flow, Reply};
+use crate::state::{unix_now, AppState};
+use crate::structured::response_format;
+use crate::turn::{BlockEvent, BlockKind, Turn, TurnEnd, TurnOutput, TurnRequest};
+use crate::unknown::warn_unknown_fields;
+
+/// Responses kept for `previous_response_id` and GET.
+pub const STORED: usize = 256;
+
+const FIELDS: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "text",
+    "reasoning",
+    "stream",
+    "store",
+    "previous_response_id",
+    "metadata",
+    "user",
+    "truncation",
+    "include",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "stream_options",
+    "top_logprobs",
+    "background",
+];
+
+struct Stored {
+    id: String,
+    response: Json,
+    /// The conversation through this response's output, as chat messages (no instructions).
+    messages: Vec<Json>,
+}
+
+/// Recent responses, newest last.
+#[derive(Default)]
+pub struct ResponseStore(Mutex<VecDeque<Stored>>);
+
+impl ResponseStore {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Stored>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn insert(&self, stored: Stored) {
+        let mut all = self.lock();
+        if all.len() >= STORED {
+            all.pop_front();
+        }
+        all.push_back(stored);
+    }
+    fn messages(&self, id: &str) -> Option<Vec<Json>> {
+        self.lock()
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| s.messages.clone())
+    }
+    fn response(&self, id: &str) -> Option<Json> {
+        self.lock()
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| s.response.clone())
+    }
+}
+
+fn part_text(part: &Json, param: &str) -> Result<String, ApiError> {
+    match part.get("type").and_then(Json::as_str) {
+        Some("input_text")
+        | Some("output_text")
+        | Some("text")
+        | Some("summary_text")
+        | Some("reasoning_text") => Ok(part["text"].as_str().unwrap_or_default().to_string()),
+        Some("refusal") => Ok(part["refusal"].as_str().unwrap_or_default().to_string()),
+        other => Err(ApiError::bad_param(
+            format!("{param}.type"),
+            format!("{param}: content of type {other:?} is not supported (text only)"),
+        )),
+    }
+}
+
+fn content_text(content: &Json, param: &str) -> Result<String, ApiError> {
+    match content {
+        Json::String(s) => Ok(s.clone()),
+        Json::Array(parts) => parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| part_text(p, &format!("{param}[{i}]")))
+            .collect(),
+        Json::Null => Ok(String::new()),
+        _ => Err(ApiError::bad_param(
+            param,
+            format!("'{param}' must be a string or a list of parts"),
+        )),
+    }
+}
+
+/// Responses input items → chat messages (appended to `out`).
+pub fn input_messages(input: &Json, out: &mut Vec<Json>) -> Result<(), ApiError> {
+    let items = match input {
+        Json::String(s) => {
+            out.push(json!({"role": "user", "content": s}));
+            return Ok(());
+        }
+        Json::Array(items) => items,
+        _ => {
+            return Err(ApiError::bad_param(
+                "input",
+                "'input' must be a string or a list of items",
+            ))
+        }
+    };
+    let mut reasoning = String::new();
+    for (i, item) in items.iter().enumerate() {
+        let param = format!("input[{i}]");
+        let kind = item.get("type").and_then(Json::as_str).unwrap_or("message");
+        match kind {
+            "message" => {
+                let role = item.get("role").and_then(Json::as_str).unwrap_or_default();
+                if !["user", "system", "developer", "assistant"].contains(&role) {
+                    return Err(ApiError::bad_param(
+                        format!("{param}.role"),
+                        format!("{param}.role must be user, system, developer or assistant"),
+                    ));
+                }
+                let text = content_text(item.get("content").unwrap_or(&Json::Null), &format!("{param}.content"))?;
+                let mut msg = json!({"role": role, "content": text});
+                if role == "assistant" && !reasoning.is_empty() {
+                    msg["reasoning_content"] = Json::from(std::mem::take(&mut reasoning));
+                }
+                out.push(msg);
+            }
+            "reasoning" => {
+                for key in ["content", "summary"] {
+                    if let Some(parts) = item.get(key).filter(|p| p.is_array()) {
+                        let text = content_text(parts, &format!("{param}.{key}"))?;
+                        if !text.is_empty() {
+                            reasoning = text;
+                            break;
+                        }
+                    }
+                }
+            }
+            "function_call" => {
+                let name = item["name"].as_str().ok_or_else(|| {
+                    ApiError::bad_param(format!("{param}.name"), format!("{param} needs 'name'"))
+                })?;
+                let call = json!({"id": item["call_id"], "type": "function", "function": {
+                    "name": name, "arguments": item["arguments"].as_str().unwrap_or("{}")}});
+                // Calls of one turn join the assistant message before them.
+                let joins = out.last().is_some_and(|m| {
+                    m["role"] == "assistant"
+                        && m.get("tool_calls").is_none_or(|c| c.is_array())
+                });
+                if joins {
+                    let last = out.last_mut().expect("checked");
+                    match last.get_mut("tool_calls").and_then(Json::as_array_mut) {
+                        Some(calls) => calls.push(call),
+                        None => last["tool_calls"] = json!([call]),
+                    }
+                } else {
+                    let mut msg = json!({"role": "assistant", "content": "", "tool_calls": [call]});
+                    if !reasoning.is_empty() {
+                        msg["reasoning_content"] = Json::from(std::mem::take(&mut reasoning));
+                    }
+                    out.push(msg);
+                }
+            }
+            "function_call_output" => {
+                let output = content_text(item.get("output").unwrap_or(&Json::Null), &format!("{param}.output"))?;
+                out.push(json!({"role": "tool", "tool_call_id": item["call_id"], "content": output}));
+            }
+            other => {
+                return Err(ApiError::bad_param(
+                    format!("{param}.type"),
+                    format!("{param}: items of type '{other}' are not supported (message, function_call, function_call_output, reasoning)"),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+fn to_chat_tools(tools: Option<&Json>) -> Result<Vec<Json>, ApiError> {
+    let Some(tools) = tools.filter(|t| !t.is_null()) else {
+        return Ok(Vec::new());
+    };
+    let tools = tools
+        .as_array()
+        .ok_or_else(|| ApiError::bad_param("tools", "'tools' must be a list"))?;
+    tools
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match (t["type"].as_str(), t["name"].as_str()) {
+            (Some("function"), Some(name)) => Ok(json!({"type": "function", "function": {
+                "name": name, "description": t.get("description").cloned().unwrap_or(Json::Null),
+                "parameters": t.get("parameters").cloned().unwrap_or(json!({"type": "object"}))}})),
+            (kind, _) => Err(ApiError::bad_param(
+                format!("tools[{i}]"),
+                format!("tools[{i}]: only function tools {{\"type\": \"function\", \"name\", \"parameters\"}} are supported (got {kind:?})"),
+            )),
+        })
+        .collect()
+}
+
+fn to_tool_choice(value: Option<&Json>, tools: &[Json]) -> Result<ToolChoice, ApiError> {
+    let default = if tools.is_empty() {
+        ToolChoice::None
+    } else {
+        ToolChoice::Auto
+    };
+    let choice = match value {
+        None | Some(Json::Null) => default,
+        Some(Json::String(s)) => match s.as_str() {
+            "auto" => default,
+            "none" => ToolChoice::None,
+            "required" if !tools.is_empty() => ToolChoice::Required,
+            other => {
+                return Err(ApiError::bad_param(
+                    "tool_choice",
+                    format!("tool_choice '{other}' is not one of none, auto, required (required needs tools)"),
+                ))
+            }
+        },
+        Some(v) if v["type"] == "function" => {
+            let name = v["name"].as_str().unwrap_or_default();
+            if !tools.iter().any(|t| t["function"]["name"] == name) {
+                return Err(ApiError::bad_param(
+                    "tool_choice",
+                    format!("tool_choice names '{name}', which is not among the tools"),
+                ));
+            }
+            ToolChoice::Function(name.to_string())
+        }
+        Some(_) => {
+            return Err(ApiError::bad_param(
+                "tool_choice",
+                "tool_choice must be none, auto, required or {\"type\": \"function\", \"name\"}",
+            ))
+        }
+    };
+    Ok(choice)
+}
+
+struct Prepared {
+    turn: Turn,
+    /// The conversation sent to the template, minus the instructions (what a follow-up extends).
+    conversation: Vec<Json>,
+    /// Request fields echoed in the response object.
+    echo: Map<String, Json>,
+    store: bool,
+}
+
+fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
+    let runtime = state.runtime()?;
+    let body = parse_body(body)?;
+    warn_unknown_fields(&body, FIELDS, "/v1/responses");
+    check_model(state, body["model"].as_str())?;
+    let mut conversation = Vec::new();
+    let previous = body["previous_response_id"].as_str();
+    if let Some(previous) = previous {
+        let history = state.responses.messages(previous).ok_or_else(|| {
+            ApiError::bad_param(
+                "previous_response_id",
+                format!("Previous response with id '{previous}' not found (this server keeps the last {STORED} stored responses in memory)."),
+            )
+        })?;
+        conversation = history;
+    }
+    input_messages(body.get("input").unwrap_or(&Json::Null), &mut conversation)?;
+    let mut messages = Vec::new();
+    if let Some(instructions) = body["instructions"].as_str().filter(|s| !s.is_empty()) {
+        messages.push(json!({"role": "system", "content": instructions}));
+    }
+    messages.extend(conversation.iter().cloned());
+    let tools = to_chat_tools(body.get("tools"))?;
+    let choice = to_tool_choice(body.get("tool_choice"), &tools)?;
+    let parallel = body["parallel_tool_calls"].as_bool().unwrap_or(true);
+    let format = response_format(
+        body.get("text").and_then(|t| t.get("format")),
+        "text.format",
+    )?;
+    let mut kwargs = Map::new();
+    if body["reasoning"]["effort"] == "none" {
+        kwargs.insert("enable_thinking".into(), Json::from(false));
+    }
+    let mut sampling = Map::new();
+    for (from, to) in [
+        ("max_output_tokens", "max_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("stream", "stream"),
+    ] {
+        if let Some(v) = body.get(from).filter(|v| !v.is_null()) {
+            sampling.insert(to.into(), v.clone());
+        }
+    }
+    let turn = Turn::prepare(
+        state,
+        &runtime,
+        TurnRequest {
+            messages,
+            tools: tools.clone(),
+            choice,
+            parallel,
+            kwargs: (!kwargs.is_empty()).then_some(kwargs),
+            format: format.map(|g| (g, "text.format")),
+            sampling: Json::Object(sampling),
+        },
+    )?;
+    let mut echo = Map::new();
+    for key in [
+        "instructions",
+        "max_output_tokens",
+        "previous_response_id",
+        "metadata",
+        "user",
+    ] {
+        echo.insert(key.into(), body.get(key).cloned().unwrap_or(Json::Null));
+    }
+    if echo["metadata"].is_null() {
+        echo.insert("metadata".into(), json!({}));
+    }
+    echo.insert(
+        "temperature".into(),
+        json!(turn.params.sampling.temperature),
+    );
+    echo.insert("top_p".into(), json!(turn.params.sampling.top_p));
+    echo.insert("parallel_tool_calls".into(), json!(parallel));
+    echo.insert(
+        "tool_choice".into(),
+        body.get("tool_choice").cloned().unwrap_or(json!("auto")),
+    );
+    echo.insert(
+        "tools".into(),
+        body.get("tools").cloned().unwrap_or(json!([])),
+    );
+    echo.insert(
+        "text".into(),
+        body.get("text")
+            .cloned()
+            .unwrap_or(json!({"format": {"type": "text"}})),
+    );
+    echo.insert(
+        "reasoning".into(),
+        body.get("reasoning")
+            .cloned()
+            .unwrap_or(json!({"effort": null, "summary": null})),
+    );
+    echo.insert("truncation".into(), json!("disabled"));
+    let store = body["store"].as_bool().unwrap_or(true);
+    echo.insert("store".into(), json!(store));
+    Ok(Prepared {
+        turn,
+        conversation,
+        echo,
+        store,
+    })
+}
+
+pub async fn create(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let arrival = Instant::now();
+    let id = state.new_id("resp_");
+    let mut prepared = match prepare(&state, body) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::info!(target: "calla::request", "{id} responses refused: {e}");
+            return e.into_response();
+        }
+    };
+    let Ok(runtime) = state.runtime() else {
+        return ApiError::loading().into_response();
+    };
+    let events = match prepared.turn.submit(&state, &runtime, arrival) {
+        Ok(events) => events,
+        Err(e) => return e.into_response(),
+    };
+    let stream = prepared.turn.params.stream;
+    let mut log = RequestLog::new(id.clone(), "responses", arrival, stream);
+    log.prompt_tokens = prepared.turn.prompt.ids.len();
+    if state.config.log_text {
+        log.keep_text(prepared.turn.prompt.text.clone(), 1);
+    }
+    let mut reply = ResponseReply {
+        state: Arc::clone(&state),
+        id,
+        created: unix_now(),
+        model: state.config.served_model_name.clone(),
+        output: TurnOutput::new(&state, &prepared.turn, "call_"),
+        item_ids: Vec::new(),
+        stream,
+        sequence: 0,
+        echo: prepared.echo,
+        conversation: prepared.conversation,
+        store: prepared.store,
+        input_tokens: prepared.turn.prompt.ids.len(),
+        cached_tokens: 0,
+        output_tokens: 0,
+        end: None,
+        log,
+    };
+    if stream {
+        let created = reply.lifecycle("response.created");
+        let in_progress = reply.lifecycle("response.in_progress");
+        sse::stream(events, reply, vec![created, in_progress])
+    } else {
+        respond(events, reply).await
+    }
+}
+
+async fn respond(mut events: Events, mut reply: ResponseReply) -> Response {
+    match sse::collect(&mut events, &mut reply).await {
+        Ok(()) => JsonBody(reply.response()).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// GET /v1/responses/{id}: a stored response.
+pub async fn retrieve(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    match state.responses.response(&id) {
+        Some(r) => JsonBody(r).into_response(),
+        None => ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            format!("No response with id '{id}' (this server keeps the last {STORED} in memory)."),
+        )
+        .into_response(),
+    }
+}
+
+struct ResponseReply {
+    state: Arc<AppState>,
+    id: String,
+    created: u64,
+    model: String,
+    output: TurnOutput,
+    /// One per output item (block).
+    item_ids: Vec<String>,
+    stream: bool,
+    sequence: u64,
+    echo: Map<String, Json>,
+    conversation: Vec<Json>,
+    store: bool,
+    input_tokens: usize,
+    cached_tokens: usize,
+    output_tokens: usize,
+    end: Option<TurnEnd>,
+    log: RequestLog,
+}
+
+impl ResponseReply {
+    fn status(&self) -> &'static str {
+        match self.end {
+            None => "in_progress",
+            Some(TurnEnd::Length) => "incomplete",
+            Some(_) => "completed",
+        }
+    }
+
+    fn item(&self, index: usize, done: bool) -> Json {
+        let block = &self.output.blocks[index];
+        let id = &self.item_ids[index];
+        let status = if done { "completed" } else { "in_progress" };
+        let text = if done { block.text.as_str() } else { "" };
+        match &block.kind {
+            BlockKind::Thinking => json!({"type": "reasoning", "id": id, "summary": [],
+                "content": if done { json!([{"type": "reasoning_text", "text": text}]) } else { json!([]) },
+                "status": status}),
+            BlockKind::Text => {
+                json!({"type": "message", "id": id, "status": status, "role": "assistant",
+                "content": if done { json!([output_text(text)]) } else { json!([]) }})
+            }
+            BlockKind::ToolCall { id: call_id, name } => json!({"type": "function_call", "id": id,
+                "call_id": call_id, "name": name, "arguments": text, "status": status}),
+        }
+    }
+
+    fn response(&self) -> Json {
+        let mut r = json!({
+            "id": self.id, "object": "response", "created_at": self.created, "status": self.status(),
+            "error": null,
+            "incomplete_details": if self.end == Some(TurnEnd::Length) {
+                json!({"reason": "max_output_tokens"}) } else { Json::Null },
+            "model": self.model,
+            "output": (0..self.output.blocks.len()).map(|i| self.item(i, true)).collect::<Vec<_>>(),
+            "usage": if self.end.is_some() { json!({
+                "input_tokens": self.input_tokens,
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.input_tokens + self.output_tokens,
+            }) } else { Json::Null },
+        });
+        if self.end.is_none() {
+            r["output"] = json!([]);
+        }
+        for (k, v) in &self.echo {
+            r[k] = v.clone();
+        }
+        r
+    }
+
+    fn event(&mut self, mut chunk: Json) -> Json {
+        chunk["sequence_number"] = json!(self.sequence);
+        self.sequence += 1;
+        chunk
+    }
+
+    fn lifecycle(&mut self, kind: &str) -> Json {
+        let response = self.response();
+        self.event(json!({"type": kind, "response": response}))
+    }
+
+    fn chunks(&mut self, events: Vec<BlockEvent>) -> Vec<Json> {
+        let mut out = Vec::new();
+        for event in events {
+            let index = match event {
+                BlockEvent::Start(i) | BlockEvent::Delta(i, _) | BlockEvent::Stop(i) => i,
+            };
+            while self.item_ids.len() <= index {
+                let prefix = match self.output.blocks[self.item_ids.len()].kind {
+                    BlockKind::Thinking => "rs_",
+                    BlockKind::Text => "msg_",
+                    BlockKind::ToolCall { .. } => "fc_",
+                };
+                self.item_ids.push(self.state.new_id(prefix));
+            }
+            if !self.stream {
+                continue;
+            }
+            let item_id = self.item_ids[index].clone();
+            let kind = self.output.blocks[index].kind.clone();
+            let text = self.output.blocks[index].text.clone();
+            let base =
+                |kind: &str| json!({"type": kind, "item_id": item_id, "output_index": index});
+            let chunks: Vec<Json> = match (event, &kind) {
+                (BlockEvent::Start(_), kind) => {
+                    let mut v = vec![
+                        json!({"type": "response.output_item.added", "output_index": index,
+                        "item": self.item(index, false)}),
+                    ];
+                    if *kind == BlockKind::Text {
+                        let mut part = base("response.content_part.added");
+                        part["content_index"] = json!(0);
+                        part["part"] = output_text("");
+                        v.push(part);
+                    }
+                    v
+                }
+                (BlockEvent::Delta(_, delta), BlockKind::Text) => {
+                    let mut c = base("response.output_text.delta");
+                    c["content_index"] = json!(0);
+                    c["delta"] = json!(delta);
+                    c["logprobs"] = json!([]);
+                    vec![c]
+                }
+                (BlockEvent::Delta(_, delta), BlockKind::Thinking) => {
+                    let mut c = base("response.reasoning_text.delta");
+                    c["content_index"] = json!(0);
+                    c["delta"] = json!(delta);
+                    vec![c]
+                }
+                (BlockEvent::Delta(_, delta), BlockKind::ToolCall { .. }) => {
+                    let mut c = base("response.function_call_arguments.delta");
+                    c["delta"] = json!(delta);
+                    vec![c]
+                }
+                (BlockEvent::Stop(_), kind) => {
+                    let mut v = Vec::new();
+                    match kind {
+                        BlockKind::Text => {
+                            let mut c = base("response.output_text.done");
+                            c["content_index"] = json!(0);
+                            c["text"] = json!(text);
+                            c["logprobs"] = json!([]);
+                            v.push(c);
+                            let mut c = base("response.content_part.done");
+                            c["content_index"] = json!(0);
+                            c["part"] = output_text(&text);
+                            v.push(c);
+                        }
+                        BlockKind::Thinking => {
+                            let mut c = base("response.reasoning_text.done");
+                            c["content_index"] = json!(0);
+                            c["text"] = json!(text);
+                            v.push(c);
+                        }
+                        BlockKind::ToolCall { name, .. } => {
+                            let mut c = base("response.function_call_arguments.done");
+                            c["arguments"] = json!(text);
+                            c["name"] = json!(name);
+                            v.push(c);
+                        }
+                    }
+                    v.push(
+                        json!({"type": "response.output_item.done", "output_index": index,
+                        "item": self.item(index, true)}),
+                    );
+                    v
+                }
+            };
+            for c in chunks {
+                let c = self.event(c);
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    /// The conversation through this reply, for a follow-up's previous_response_id.
+    fn remember(&self, response: &Json) {
+        let mut messages = self.conversation.clone();
+        let mut msg = json!({"role": "assistant", "content": ""});
+        let mut content = String::new();
+        let mut calls = Vec::new();
+        for block in &self.output.blocks {
+            match &block.kind {
+                BlockKind::Thinking => msg["reasoning_content"] = json!(block.text),
+                BlockKind::Text => content.push_str(&block.text),
+                BlockKind::ToolCall { id, name } => calls
+                    .push(json!({"id": id, "type": "function",
+                    "function": {"name": name, "arguments": block.text}})),
+            }
+        }
+        msg["content"] = json!(content);
+        if !calls.is_empty() {
+            msg["tool_calls"] = json!(calls);
+        }
+        messages.push(msg);
+        self.state.responses.insert(Stored {
+            id: self.id.clone(),
+            response: response.clone(),
+            messages,
+        });
+    }
+}
+
+fn output_text(text: &str) -> Json {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+impl Reply for ResponseReply {
+    fn on_event(&mut self, index: usize, event: GenEvent) -> Flow {
+        self.log.observe(index, &event);
+        match event {
+            GenEvent::Started { cached_tokens } => {
+                self.cached_tokens = cached_tokens;
+                Flow::Chunks(Vec::new())
+            }
+            GenEvent::Text { text, .. } => {
+                let events = self.output.push(&text);
+                Flow::Chunks(self.chunks(events))
+            }
+            GenEvent::Finished(Err(e)) => {
+                Flow::Failed(ApiError::internal(format!("generation failed: {e}")))
+            }
+            GenEvent::Finished(Ok(finished)) => {
+                let events = self.output.finish();
+                let mut chunks = self.chunks(events);
+                self.end = Some(TurnEnd::of(&finished, self.output.tool_calls()));
+                self.output_tokens = finished.report.completion_tokens();
+                self.log.finish_reasons.push(finished.finish_reason());
+                self.log.complete = true;
+                let response = self.response();
+                if self.store {
+                    self.remember(&response);
+                }
+                if self.stream {
+                    let kind = if self.end == Some(TurnEnd::Length) {
+                        "response.incomplete"
+                    } else {
+                        "response.completed"
+                    };
+                    let c = self.event(json!({"type": kind, "response": response}));
+                    chunks.push(c);
+                }
+                Flow::Done(chunks)
+            }
+        }
+    }
+
+    fn sse_event(&self, chunk: &Json) -> Event {
+        typed_event(chunk)
+    }
+
+    fn done_event(&self) -> Option<Event> {
+        None
+    }
+
+    fn error_event(&self, error: &ApiError) -> Event {
+        let body = error.body();
+        typed_event(
+            &json!({"type": "error", "code": error.code, "message": error.message,
+            "param": error.param, "sequence_number": self.sequence, "error": body["error"]}),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn items_become_chat_messages() {
+        let input = json!([
+            {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{\"city\":\"Rome\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"role": "user", "content": "thanks", "type": "message"},
+        ]);
+        let mut out = Vec::new();
+        input_messages(&input, &mut out).unwrap();
+        assert_eq!(out.len(), 4);
+        assert_eq!(out[1]["reasoning_content"], "hmm");
+        assert_eq!(out[1]["tool_calls"].as_array().unwrap().len(), 2);
+        assert_eq!(
+            out[2],
+            json!({"role": "tool", "tool_call_id": "call_1", "content": "sunny"})
+        );
+        let mut out = Vec::new();
+        let e = input_messages(&json!([{"type": "input_image"}]), &mut out).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("input[0].type"));
+    }
+}
