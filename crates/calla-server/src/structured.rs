@@ -151,26 +151,35 @@ fn tool_calls_lark(tools: &[Json], parallel: bool) -> String {
         let mut body = Vec::new();
         if let Some(props) = parameters.get("properties").and_then(Json::as_object) {
             for (p, (key, schema)) in props.iter().enumerate() {
-                let value = if is_string_schema(schema) {
-                    match schema.get("enum").and_then(Json::as_array) {
-                        Some(options) if !options.is_empty() => options
+                const CLOSE: &str = "\"\\n</parameter>\\n\"";
+                let enum_options = schema
+                    .get("enum")
+                    .and_then(Json::as_array)
+                    .filter(|o| !o.is_empty());
+                // A value and its closing tag: free text is one terminal with the tag (a lexeme
+                // cannot end where the text might go on, so the tag must end it); the others
+                // are lexemes that end by themselves.
+                let value = match enum_options {
+                    Some(options) if is_string_schema(schema) => format!(
+                        "({}) {CLOSE}",
+                        options
                             .iter()
                             .filter_map(Json::as_str)
                             .map(lark_string)
                             .collect::<Vec<_>>()
-                            .join(" | "),
-                        _ => {
-                            let terminal = format!("V_{t}_{p}");
-                            terminals
-                                .push(format!("{terminal}: {}", string_value_terminal(schema)));
-                            terminal
-                        }
+                            .join(" | ")
+                    ),
+                    _ if is_string_schema(schema) => {
+                        let text = format!("TEXT_{t}_{p}");
+                        let terminal = format!("VALUE_{t}_{p}");
+                        terminals.push(format!("{text}: {}", string_value_terminal(schema)));
+                        terminals.push(format!("{terminal}: {text} {CLOSE}"));
+                        terminal
                     }
-                } else {
-                    format!("%json {}", with_layout(schema))
+                    _ => format!("%json {} {CLOSE}", with_layout(schema)),
                 };
                 let open = lark_string(&format!("<parameter={key}>\n"));
-                let item = format!("{open} ({value}) \"\\n</parameter>\\n\"");
+                let item = format!("{open} {value}");
                 body.push(if required.contains(&key.as_str()) {
                     format!("({item})")
                 } else {

@@ -49,6 +49,11 @@ impl TextCodec for ByteCodec {
     fn vocab_size(&self) -> usize {
         257
     }
+    fn vocab_bytes(&self) -> Option<Vec<Vec<u8>>> {
+        let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        words.push(calla_server::structured::special_bytes("<eos>"));
+        Some(words)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -62,12 +67,25 @@ pub fn script(prompt: &str) -> String {
         .and_then(|rest| rest.split("<|im_end|>").next())
         .unwrap_or(prompt)
         .to_string();
-    if let Some(rest) = prompt.strip_suffix("<function=get_weather>\n") {
-        let _ = rest;
-        return "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>".into();
-    }
     let thinking = prompt.ends_with("<think>\n");
-    let answer = if prompt.contains("<tools>") && user.contains("weather") {
+    let call = |name: &str, city: &str| {
+        format!("<tool_call>\n<function={name}>\n<parameter=city>\n{city}\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    };
+    let answer = if prompt.contains("<tools>") && user.contains("twice") {
+        format!(
+            "{}\n{}",
+            call("get_weather", "Paris"),
+            call("get_weather", "Rome")
+        )
+    } else if prompt.contains("<tools>") && user.contains("undeclared") {
+        format!(
+            "{}\n{}",
+            call("launch_rockets", "Paris"),
+            call("get_weather", "Rome")
+        )
+    } else if let Some(json) = user.strip_prefix("json ") {
+        format!("Here: {json}")
+    } else if prompt.contains("<tools>") && user.contains("weather") {
         "Checking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>".to_string()
     } else if let Some(n) = user.strip_prefix("long ") {
         "a".repeat(n.trim().parse().unwrap_or(100))
@@ -91,13 +109,14 @@ pub struct ScriptBackend {
     pub step_delay: Duration,
 }
 
-struct History(Vec<u32>);
+/// The tokens consumed, and where the prompt ended (known at the first `forward_logits`).
+struct History(Vec<u32>, Option<usize>);
 impl Sequence for History {
     fn len(&self) -> usize {
         self.0.len()
     }
     fn snapshot(&self) -> Box<dyn Sequence> {
-        Box::new(History(self.0.clone()))
+        Box::new(History(self.0.clone(), self.1))
     }
     fn byte_size(&self) -> usize {
         4 * self.0.len() + 64
@@ -143,7 +162,7 @@ impl Backend for ScriptBackend {
         "script".into()
     }
     fn new_sequence(&mut self) -> anyhow::Result<Box<dyn Sequence>> {
-        Ok(Box::new(History(Vec::new())))
+        Ok(Box::new(History(Vec::new(), None)))
     }
     fn step(
         &mut self,
@@ -184,8 +203,39 @@ impl Backend for ScriptBackend {
             top,
         })
     }
-    fn forward_logits(&mut self, _: &mut dyn Sequence, _: &[u32]) -> anyhow::Result<Vec<f32>> {
-        anyhow::bail!("not used by the server")
+    /// Constrained steps (the server's grammars) come here: the script's next byte gets the
+    /// highest logit, where the script is the reply, or the reply from its first `<tool_call>` or
+    /// `{` on (the grammar skips a preamble), whichever the text so far follows; off script, EOS.
+    fn forward_logits(
+        &mut self,
+        seq: &mut dyn Sequence,
+        tokens: &[u32],
+    ) -> anyhow::Result<Vec<f32>> {
+        std::thread::sleep(self.step_delay);
+        self.steps.fetch_add(1, Ordering::SeqCst);
+        let history = seq.as_any_mut().downcast_mut::<History>().unwrap();
+        history.0.extend_from_slice(tokens);
+        let prompt_len = *history.1.get_or_insert(history.0.len());
+        let (prompt, generated) = history.0.split_at(prompt_len);
+        let reply = script(&ByteCodec.decode(prompt));
+        let generated: Vec<u8> = generated
+            .iter()
+            .filter(|&&t| t < 256)
+            .map(|&t| t as u8)
+            .collect();
+        let candidates = [Some(0), reply.find("<tool_call>"), reply.find('{')];
+        let next = candidates
+            .into_iter()
+            .flatten()
+            .map(|at| &reply.as_bytes()[at..])
+            .find(|c| c.starts_with(&generated))
+            .map(|c| c.get(generated.len()).map_or(EOS, |&b| b as u32));
+        let mut logits = vec![0.0; 257];
+        logits[EOS as usize] = 1.0;
+        if let Some(next) = next {
+            logits[next as usize] = 10.0;
+        }
+        Ok(logits)
     }
 }
 
