@@ -246,6 +246,8 @@ pub struct Options {
     pub max_context: usize,
     pub prefix_cache_bytes: usize,
     pub ready: bool,
+    /// The model's vocabulary (its embedding rows); more than the codec's 257 means padding rows.
+    pub model_vocab: usize,
 }
 
 impl Default for Options {
@@ -260,6 +262,7 @@ impl Default for Options {
             max_context: 4096,
             prefix_cache_bytes: 1 << 20,
             ready: true,
+            model_vocab: 257,
         }
     }
 }
@@ -295,8 +298,10 @@ pub fn qwen_template() -> ChatTemplate {
 
 pub async fn start(opts: Options) -> TestServer {
     let steps = Arc::new(AtomicUsize::new(0));
+    let mut spec = byte_spec(opts.max_context);
+    spec.vocab_size = opts.model_vocab;
     let backend = ScriptBackend {
-        spec: byte_spec(opts.max_context),
+        spec,
         steps: Arc::clone(&steps),
         step_delay: opts.step_delay,
     };
