@@ -22,7 +22,7 @@ use serde_json::{Map, Value as Json};
 
 use crate::chat_reply::ChatReply;
 use crate::errors::ApiError;
-use crate::generation::{submit, Events, RequestLog, Work};
+use crate::generation::{submit_constrained, Events, RequestLog, Work};
 use crate::params::{from_body, GenParams, SamplingFields};
 use crate::request::{check_model, parse_body};
 use crate::sse;
@@ -163,7 +163,7 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
         Some(g) => (Some(g), "tool_choice"),
         None => (format, "response_format"),
     };
-    let prompt = chat_prompt(
+    let prompt = chat_prompt_constrained(
         &runtime,
         &fields.messages,
         &tools,
@@ -217,6 +217,18 @@ pub struct ChatPrompt {
 /// OpenAI messages (+ tools, tool choice, template kwargs) → the prompt, through the checkpoint's
 /// template. Errors are 400s naming the field.
 pub fn chat_prompt(
+    runtime: &Runtime,
+    messages: &[Json],
+    tools: &[Json],
+    choice: &ToolChoice,
+    kwargs: Option<&Map<String, Json>>,
+) -> Result<ChatPrompt, ApiError> {
+    let constrained = matches!(choice, ToolChoice::Required | ToolChoice::Function(_));
+    chat_prompt_constrained(runtime, messages, tools, choice, kwargs, constrained)
+}
+
+/// `chat_prompt` for a reply under a grammar (`constrained`: an open think block is closed first).
+pub fn chat_prompt_constrained(
     runtime: &Runtime,
     messages: &[Json],
     tools: &[Json],
@@ -292,19 +304,19 @@ pub async fn chat_completions(
         return ApiError::loading().into_response();
     };
     let n = prepared.params.n;
-    let mut constraints = std::mem::take(&mut prepared.constraints).into_iter();
+    let constraints = std::mem::take(&mut prepared.constraints);
     let work = (0..n)
         .map(|choice| Work {
             choice,
             prompt: prepared.prompt.ids.clone(),
             save_prefixes: prepared.prompt.history_tokens.into_iter().collect(),
-            constraint: constraints.next(),
         })
         .collect();
-    let events = match submit(
+    let events = match submit_constrained(
         &state,
         &runtime,
         work,
+        constraints,
         &prepared.params,
         prepared.max_tokens,
         prepared.top_logprobs,

@@ -204,7 +204,6 @@ pub async fn completions(
                 choice: p * n + i,
                 prompt: ids.clone(),
                 save_prefixes: Vec::new(),
-                constraint: None,
             });
         }
     }

@@ -198,8 +198,6 @@ pub struct Work {
     pub choice: usize,
     pub prompt: Vec<u32>,
     pub save_prefixes: Vec<usize>,
-    /// Constrained decoding (structured.rs), or None.
-    pub constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 /// Queue every choice of a request (all or none) and return the channel their events arrive on.
@@ -212,6 +210,31 @@ pub fn submit(
     top_logprobs: Option<usize>,
     arrival: Instant,
 ) -> Result<Events, ApiError> {
+    submit_constrained(
+        state,
+        runtime,
+        work,
+        Vec::new(),
+        params,
+        max_tokens,
+        top_logprobs,
+        arrival,
+    )
+}
+
+/// `submit`, the i-th work item under the i-th constraint (structured.rs; missing ones: none).
+#[allow(clippy::too_many_arguments)]
+pub fn submit_constrained(
+    state: &Arc<AppState>,
+    runtime: &Runtime,
+    work: Vec<Work>,
+    constraints: Vec<Box<dyn TokenConstraint>>,
+    params: &GenParams,
+    max_tokens: usize,
+    top_logprobs: Option<usize>,
+    arrival: Instant,
+) -> Result<Events, ApiError> {
+    let mut constraints = constraints.into_iter();
     let (tx, rx) = unbounded_channel();
     let jobs = work
         .into_iter()
@@ -227,7 +250,7 @@ pub fn submit(
                 ignore_eos: params.ignore_eos,
                 top_logprobs: top_logprobs.unwrap_or(0),
                 save_prefixes: w.save_prefixes,
-                constraint: w.constraint,
+                constraint: constraints.next(),
                 sink: Box::new(TextSink {
                     choice: w.choice,
                     tx: tx.clone(),

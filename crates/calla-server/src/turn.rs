@@ -10,9 +10,9 @@ use calla_chat::{OutputEvent, OutputParser};
 use calla_engine::TokenConstraint;
 use serde_json::{Map, Value as Json};
 
-use crate::chat::{chat_prompt, forced_tools, ChatPrompt, ToolChoice};
+use crate::chat::{chat_prompt_constrained, forced_tools, ChatPrompt, ToolChoice};
 use crate::errors::ApiError;
-use crate::generation::{submit, Events, Finished, Work};
+use crate::generation::{submit_constrained, Events, Finished, Work};
 use crate::params::{from_body, GenParams, SamplingFields};
 use crate::state::{AppState, Runtime};
 use crate::structured::OutputGrammar;
@@ -61,7 +61,7 @@ impl Turn {
                 None => (None, ""),
             },
         };
-        let prompt = chat_prompt(
+        let prompt = chat_prompt_constrained(
             runtime,
             &req.messages,
             &req.tools,
@@ -100,12 +100,13 @@ impl Turn {
             choice: 0,
             prompt: self.prompt.ids.clone(),
             save_prefixes: self.prompt.history_tokens.into_iter().collect(),
-            constraint: self.constraint.take(),
         }];
-        submit(
+        let constraints = self.constraint.take().into_iter().collect();
+        submit_constrained(
             state,
             runtime,
             work,
+            constraints,
             &self.params,
             self.max_tokens,
             None,
