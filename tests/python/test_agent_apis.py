@@ -5,7 +5,7 @@ constrained decoder can give on a random model: every reply is parsed and valida
 from __future__ import annotations
 
 import json
-import urllib.request
+from typing import Literal
 
 import anthropic
 import openai
@@ -267,3 +267,40 @@ def test_model_retrieve(server):
     assert oa(server).models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         oa(server).models.retrieve("other")
+
+
+# ------------------------------------------------------------------------------------------------
+# openai-agents with its default model (the Responses API) and a tool
+
+
+def test_openai_agents_default_model_calls_a_tool(server):
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    agents.set_default_openai_client(AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0), use_for_tracing=False)
+    agents.set_default_openai_api("responses")
+    calls = []
+
+    # A closed set of cities: free text from a random model would not end before max_tokens.
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "sunny"
+
+    agent = agents.Agent(
+        name="weather",
+        instructions="Answer with the weather tool.",
+        model=MODEL,
+        tools=[get_weather],
+        # required, so the random model calls it; the tool's result is the answer (a random model's own
+        # text would run to max_tokens, which the SDK treats as an error)
+        model_settings=agents.ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=1.0
+        ),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    result = agents.Runner.run_sync(agent, "Weather in Paris?", max_turns=2)
+    assert calls in (["Paris"], ["Rome"])
+    assert result.final_output == "sunny"
