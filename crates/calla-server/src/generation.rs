@@ -314,6 +314,16 @@ impl RequestLog {
         }
     }
 
+    /// The completion tokens the log line reports: the engine's count, or for a request abandoned
+    /// mid-stream (its jobs never report back here) the tokens it was sent.
+    pub fn reported_completion_tokens(&self) -> usize {
+        if self.complete {
+            self.completion_tokens
+        } else {
+            self.completion_tokens.max(self.tokens_seen)
+        }
+    }
+
     pub fn keep_text(&mut self, prompt: String, choices: usize) {
         self.text = Some((prompt, vec![String::new(); choices]));
     }
@@ -347,10 +357,7 @@ impl RequestLog {
 
 impl Drop for RequestLog {
     fn drop(&mut self) {
-        if !self.complete {
-            // Cancelled mid-stream: count what was generated and sent.
-            self.completion_tokens = self.completion_tokens.max(self.tokens_seen);
-        }
+        self.completion_tokens = self.reported_completion_tokens();
         let total = self.arrival.elapsed();
         let ms = |d: Option<Duration>| {
             d.map_or("-".to_string(), |d| format!("{:.1}", d.as_secs_f64() * 1e3))
@@ -389,5 +396,26 @@ impl Drop for RequestLog {
                 tracing::info!(target: "calla::request", "{} output[{i}]: {:?}", self.id, out);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_abandoned_stream_logs_the_tokens_it_was_sent() {
+        let mut log = RequestLog::new("x".into(), "chat", Instant::now(), true);
+        for _ in 0..5 {
+            let text = GenEvent::Text {
+                text: "a".into(),
+                logprob: None,
+            };
+            log.observe(0, &text);
+        }
+        assert_eq!(log.reported_completion_tokens(), 5);
+        log.completion_tokens = 6;
+        log.complete = true;
+        assert_eq!(log.reported_completion_tokens(), 6);
     }
 }

@@ -26,6 +26,7 @@ pub mod routes;
 pub mod sse;
 pub mod state;
 pub mod structured;
+pub mod tokenize;
 pub mod tool_filter;
 pub mod turn;
 pub mod unknown;

@@ -15,7 +15,7 @@ use crate::chat::chat_completions;
 use crate::completions::completions;
 use crate::errors::ApiError;
 use crate::state::AppState;
-use crate::{anthropic, cors, responses};
+use crate::{anthropic, cors, responses, tokenize};
 
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -30,6 +30,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         // Anthropic clients configured with a base URL that already ends in /v1.
         .route("/messages", post(anthropic::messages))
         .route("/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)

@@ -373,3 +373,24 @@ async fn no_cors_headers_by_default() {
     assert_eq!(r.status, 200);
     assert!(r.header("access-control-allow-origin").is_none());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tokenize_and_detokenize() {
+    let server = start(Options::default()).await;
+    let r = post(server.addr, "/tokenize", &json!({"prompt": "hi"}))
+        .await
+        .json();
+    assert_eq!(r["tokens"], json!([104, 105]));
+    assert_eq!(r["count"], 2);
+    let chat = post(server.addr, "/tokenize", &json!({"messages": user("hi")}))
+        .await
+        .json();
+    assert!(chat["count"].as_u64().unwrap() > 2);
+    let r = post(server.addr, "/detokenize", &json!({"tokens": [104, 105]}))
+        .await
+        .json();
+    assert_eq!(r["prompt"], "hi");
+    let r = post(server.addr, "/detokenize", &json!({"tokens": [104, 9999]})).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(post(server.addr, "/tokenize", &json!({})).await.status, 400);
+}
