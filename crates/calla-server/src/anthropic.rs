@@ -39,6 +39,7 @@ use crate::turn::{
 };
 use crate::unknown::warn_unknown_fields;
 
+/// Fields read, and metadata accepted without effect; others are warned about.
 const FIELDS: &[&str] = &[
     "model",
     "max_tokens",
@@ -54,9 +55,6 @@ const FIELDS: &[&str] = &[
     "thinking",
     "metadata",
     "service_tier",
-    "container",
-    "mcp_servers",
-    "context_management",
 ];
 
 /// Anthropic's error `type` for an HTTP status.

@@ -42,6 +42,7 @@ use crate::unknown::warn_unknown_fields;
 /// Responses kept for `previous_response_id` and GET.
 pub const STORED: usize = 256;
 
+/// Fields read, and metadata accepted without effect; others are warned about.
 const FIELDS: &[&str] = &[
     "model",
     "input",
@@ -59,14 +60,8 @@ const FIELDS: &[&str] = &[
     "previous_response_id",
     "metadata",
     "user",
-    "truncation",
-    "include",
-    "service_tier",
     "prompt_cache_key",
     "safety_identifier",
-    "stream_options",
-    "top_logprobs",
-    "background",
 ];
 
 struct Stored {

@@ -176,7 +176,18 @@ fn tool_calls_lark(tools: &[Json], parallel: bool) -> String {
                         terminals.push(format!("{terminal}: {text} {CLOSE}"));
                         terminal
                     }
-                    _ => format!("%json {} {CLOSE}", with_layout(schema)),
+                    _ => {
+                        // `$ref`s point into the parameters' own definitions: carry them along.
+                        let mut schema = with_layout(schema);
+                        for defs in ["$defs", "definitions"] {
+                            if let (Some(d), Some(obj)) =
+                                (parameters.get(defs), schema.as_object_mut())
+                            {
+                                obj.entry(defs).or_insert_with(|| d.clone());
+                            }
+                        }
+                        format!("%json {schema} {CLOSE}")
+                    }
                 };
                 let open = lark_string(&format!("<parameter={key}>\n"));
                 let item = format!("{open} {value}");

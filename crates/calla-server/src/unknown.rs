@@ -4,8 +4,8 @@
 
 use serde_json::Value as Json;
 
-/// Fields of /v1/chat/completions calla reads (or knowingly accepts without effect: `user`,
-/// `metadata`, `store`, `service_tier`, `prompt_cache_key`, …).
+/// Fields of /v1/chat/completions calla reads, and pure metadata it accepts without effect (`user`,
+/// `metadata`, `store`, `service_tier`, `prompt_cache_key`). Everything else is warned about.
 pub const CHAT_FIELDS: &[&str] = &[
     "model",
     "messages",

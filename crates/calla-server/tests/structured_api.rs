@@ -168,3 +168,22 @@ async fn undeclared_and_extra_calls_are_dropped_under_auto() {
     );
     assert_eq!(r["choices"][0]["finish_reason"], "tool_calls");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forced_tool_arguments_may_use_the_parameters_definitions() {
+    let server = start(Options::default()).await;
+    let tools = json!([{"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "$defs": {"Addr": {"type": "object",
+            "properties": {"zip": {"type": "integer", "minimum": 10, "maximum": 99}},
+            "required": ["zip"], "additionalProperties": false}},
+        "properties": {"to": {"$ref": "#/$defs/Addr"}}, "required": ["to"]}}}]);
+    let body = json!({"messages": user("anything"), "tools": tools, "tool_choice": "required",
+        "parallel_tool_calls": false, "max_tokens": 200});
+    let r = post(server.addr, CHAT, &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = r.json();
+    let call = &r["choices"][0]["message"]["tool_calls"][0]["function"];
+    let args: Json = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    let zip = args["to"]["zip"].as_i64().unwrap_or_else(|| panic!("{args}"));
+    assert!((10..=99).contains(&zip));
+}
