@@ -32,7 +32,10 @@ impl TokenMask {
     pub fn from_words(words: Vec<u32>, len: usize) -> TokenMask {
         let mut mask = TokenMask { words, len };
         mask.words.resize(len.div_ceil(32), 0);
-        if len % 32 != 0 {
+        // (is_multiple_of is newer than the workspace's rust-version)
+        #[allow(clippy::manual_is_multiple_of)]
+        let partial = len % 32 != 0;
+        if partial {
             if let Some(last) = mask.words.last_mut() {
                 *last &= (1u32 << (len % 32)) - 1;
             }

@@ -9,6 +9,7 @@
 //! Start with [`AppState::new`], bind, [`serve`] (answering 503 until [`AppState::set_ready`]).
 
 pub mod anthropic;
+mod anthropic_input;
 pub mod auth;
 pub mod chat;
 mod chat_reply;
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod params;
 pub mod request;
 pub mod responses;
+mod responses_input;
 pub mod routes;
 pub mod sse;
 pub mod state;

@@ -148,8 +148,6 @@ pub struct TurnOutput {
     open: Option<usize>,
     /// Parser-side call index → block.
     call_blocks: Vec<usize>,
-    /// Whitespace held back before a text block opens (no block of only whitespace).
-    pending_space: String,
     id_prefix: &'static str,
     state: Arc<AppState>,
 }
@@ -163,7 +161,6 @@ impl TurnOutput {
             blocks: Vec::new(),
             open: None,
             call_blocks: Vec::new(),
-            pending_space: String::new(),
             id_prefix: tool_id_prefix,
             state: Arc::clone(state),
         }
@@ -228,29 +225,18 @@ impl TurnOutput {
                 OutputEvent::Content(text) => {
                     let index = match (open_kind, self.open) {
                         (Some(BlockKind::Text), Some(i)) => i,
-                        _ if text.trim().is_empty() => {
-                            self.pending_space.push_str(&text);
-                            continue;
-                        }
+                        // Whitespace between blocks is the template's framing, not a block.
+                        _ if text.trim().is_empty() => continue,
                         _ => self.open(BlockKind::Text, &mut out),
                     };
-                    let mut text = text;
-                    if !self.pending_space.is_empty() {
-                        let space = std::mem::take(&mut self.pending_space);
-                        // Whitespace before the reply's first words is the template's separator.
-                        if self.blocks[index].text.is_empty() {
-                            text = text.trim_start().to_string();
-                        } else {
-                            text = space + &text;
-                        }
-                    }
-                    if self.blocks[index].text.is_empty() {
-                        text = text.trim_start().to_string();
-                    }
+                    let text = if self.blocks[index].text.is_empty() {
+                        text.trim_start().to_string()
+                    } else {
+                        text
+                    };
                     self.extend(index, text, &mut out);
                 }
                 OutputEvent::ToolCallStart { index, name } => {
-                    self.pending_space.clear();
                     let id = self.state.new_id(self.id_prefix);
                     let block = self.open(BlockKind::ToolCall { id, name }, &mut out);
                     if self.call_blocks.len() <= index {

@@ -184,6 +184,8 @@ async fn forced_tool_arguments_may_use_the_parameters_definitions() {
     let r = r.json();
     let call = &r["choices"][0]["message"]["tool_calls"][0]["function"];
     let args: Json = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
-    let zip = args["to"]["zip"].as_i64().unwrap_or_else(|| panic!("{args}"));
+    let zip = args["to"]["zip"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("{args}"));
     assert!((10..=99).contains(&zip));
 }
