@@ -305,18 +305,20 @@ impl TokenizerEnv for CodecEnv {
     }
 }
 
-/// The token environment of a runtime: the codec's vocabulary padded to the model's (rows past the
-/// tokenizer are special tokens no grammar allows), its EOS ids the model's.
-fn token_env(runtime: &Runtime) -> Result<TokEnv, String> {
-    let mut words = runtime
-        .codec
+/// The parser factory over `codec`'s vocabulary, padded to the model's `model_vocab` (rows past
+/// the tokenizer are special tokens no grammar allows), with the model's `eos` ids as EOS.
+pub fn parser_factory(
+    codec: Arc<dyn TextCodec>,
+    model_vocab: usize,
+    eos: &[u32],
+) -> Result<ParserFactory, String> {
+    let mut words = codec
         .vocab_bytes()
         .ok_or("this tokenizer does not support constrained decoding")?;
-    let vocab = runtime.scheduler.vocab_size().max(words.len());
+    let vocab = model_vocab.max(words.len());
     while words.len() < vocab {
         words.push(special_bytes(&format!("<[{}]>", words.len())));
     }
-    let eos = runtime.scheduler.eos_token_ids();
     let first = *eos.first().ok_or("the model has no EOS token")?;
     let trie = TokTrie::from(&TokRxInfo::new(vocab as u32, first), &words);
     let trie = if eos.len() > 1 {
@@ -324,10 +326,10 @@ fn token_env(runtime: &Runtime) -> Result<TokEnv, String> {
     } else {
         trie
     };
-    Ok(Arc::new(CodecEnv {
-        trie,
-        codec: Arc::clone(&runtime.codec),
-    }))
+    let env: TokEnv = Arc::new(CodecEnv { trie, codec });
+    let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+    factory.quiet();
+    Ok(factory)
 }
 
 /// The parser factory, built at the first constrained request.
@@ -341,12 +343,14 @@ impl Grammars {
         self.factory
             .get_or_init(|| {
                 let started = std::time::Instant::now();
-                let env = token_env(runtime)?;
-                let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
-                factory.quiet();
+                let factory = parser_factory(
+                    Arc::clone(&runtime.codec),
+                    runtime.scheduler.vocab_size(),
+                    runtime.scheduler.eos_token_ids(),
+                )?;
                 tracing::info!(
                     "constrained decoding ready ({} tokens, {:.2} s)",
-                    env.tok_trie().vocab_size(),
+                    factory.tok_env().tok_trie().vocab_size(),
                     started.elapsed().as_secs_f64()
                 );
                 Ok(Arc::new(factory))
@@ -365,19 +369,30 @@ impl Grammars {
         param: &str,
     ) -> Result<Vec<Box<dyn TokenConstraint>>, ApiError> {
         let factory = self.factory(runtime)?;
-        let parser = factory.create_parser(grammar.to_grammar()).map_err(|e| {
+        let matcher = grammar.matcher(&factory).map_err(|e| {
             ApiError::bad_param(param, format!("Invalid schema for '{param}': {e}"))
         })?;
-        let matcher = Matcher::new(Ok(parser));
-        if let Some(e) = matcher.get_error() {
-            return Err(ApiError::bad_param(
-                param,
-                format!("Invalid schema for '{param}': {e}"),
-            ));
-        }
         Ok((0..n)
             .map(|_| Box::new(GrammarConstraint(matcher.deep_clone())) as Box<dyn TokenConstraint>)
             .collect())
+    }
+}
+
+impl OutputGrammar {
+    fn matcher(&self, factory: &ParserFactory) -> Result<Matcher, String> {
+        let parser = factory
+            .create_parser(self.to_grammar())
+            .map_err(|e| e.to_string())?;
+        let matcher = Matcher::new(Ok(parser));
+        match matcher.get_error() {
+            Some(e) => Err(e),
+            None => Ok(matcher),
+        }
+    }
+
+    /// One constraint for this grammar (requests compile once and clone it per choice).
+    pub fn constraint(&self, factory: &ParserFactory) -> Result<Box<dyn TokenConstraint>, String> {
+        Ok(Box::new(GrammarConstraint(self.matcher(factory)?)))
     }
 }
 
@@ -385,7 +400,7 @@ struct GrammarConstraint(Matcher);
 
 impl TokenConstraint for GrammarConstraint {
     fn allowed(&mut self, vocab_size: usize) -> anyhow::Result<TokenMask> {
-        let mask = self.0.compute_mask()?;
+        let mask = self.0.compute_mask_or_eos()?;
         Ok(TokenMask::from_words(mask.as_slice().to_vec(), vocab_size))
     }
     fn accept(&mut self, token: u32) -> anyhow::Result<()> {
