@@ -304,3 +304,31 @@ def test_openai_agents_default_model_calls_a_tool(server):
     result = agents.Runner.run_sync(agent, "Weather in Paris?", max_turns=2)
     assert calls in (["Paris"], ["Rome"])
     assert result.final_output == "sunny"
+
+
+def test_anthropic_stream_with_a_forced_tool(server):
+    with an(server).messages.stream(
+        model=MODEL,
+        max_tokens=120,
+        tools=[WEATHER],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": "Weather?"}],
+        extra_body={"temperature": 1.0},
+    ) as stream:
+        final = stream.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and len(uses) == 1
+    assert isinstance(uses[0].input["city"], str) and 1 <= uses[0].input["days"] <= 7
+
+
+def test_responses_stream_with_a_forced_function_call(server):
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["input_schema"], "strict": True}
+    with oa(server).responses.stream(
+        model=MODEL, input="Weather?", tools=[tool], tool_choice="required", parallel_tool_calls=False,
+        max_output_tokens=120, temperature=1.0,
+    ) as stream:
+        final = stream.get_final_response()
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert final.status == "completed" and len(calls) == 1
+    args = json.loads(calls[0].arguments)
+    assert isinstance(args["city"], str) and 1 <= args["days"] <= 7
