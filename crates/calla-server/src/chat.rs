@@ -27,7 +27,7 @@ use crate::params::{from_body, GenParams, SamplingFields};
 use crate::request::{check_model, parse_body};
 use crate::sse;
 use crate::state::{AppState, Runtime};
-use crate::structured::{response_format, OutputGrammar};
+use crate::structured::{response_format, thinking_requested, OutputGrammar};
 use crate::tool_filter::ToolFilter;
 use crate::unknown::{warn_unknown_fields, CHAT_FIELDS};
 
@@ -163,16 +163,24 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
         Some(g) => (Some(g), "tool_choice"),
         None => (format, "response_format"),
     };
+    // Thinking asked for explicitly: reason first, constrain after (structured.rs).
+    let thinks = thinking_requested(fields.chat_template_kwargs.as_ref());
     let prompt = chat_prompt_constrained(
         &runtime,
         &fields.messages,
         &tools,
         &choice,
         fields.chat_template_kwargs.as_ref(),
-        grammar.is_some(),
+        grammar.is_some() && !thinks,
     )?;
     let constraints = match &grammar {
-        Some(g) => state.grammars.constraints(&runtime, g, params.n, param)?,
+        Some(g) => state.grammars.constraints(
+            &runtime,
+            g,
+            prompt.output.starts_in_reasoning,
+            params.n,
+            param,
+        )?,
         None => Vec::new(),
     };
     let room = runtime.max_context - prompt.ids.len();

@@ -4,7 +4,8 @@
 //! `function_call_output`, `reasoning`) and `instructions` become chat messages and run as one chat
 //! turn (turn.rs). Honoured: function `tools`, `tool_choice`, `parallel_tool_calls`,
 //! `max_output_tokens`, `temperature`, `top_p`, `text.format` (json_object / json_schema, enforced
-//! by constrained decoding), `reasoning.effort` ("none" turns the template's thinking off),
+//! by constrained decoding), `reasoning.effort` ("none" turns the template's thinking off, any
+//! other value on),
 //! `stream`, `store`, and `previous_response_id`: the last [`STORED`] stored responses are kept
 //! in memory with their conversation, so a follow-up sends only what is new (and the prefix cache
 //! reuses the state); an unknown id is a 400. Other tool types, images and files are refused.
@@ -139,8 +140,15 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
         "text.format",
     )?;
     let mut kwargs = Map::new();
-    if body["reasoning"]["effort"] == "none" {
-        kwargs.insert("enable_thinking".into(), Json::from(false));
+    match body["reasoning"]["effort"].as_str() {
+        Some("none") => {
+            kwargs.insert("enable_thinking".into(), Json::from(false));
+        }
+        // An effort asks for thinking explicitly (it then precedes a constrained reply).
+        Some(_) => {
+            kwargs.insert("enable_thinking".into(), Json::from(true));
+        }
+        None => {}
     }
     let mut sampling = Map::new();
     for (from, to) in [

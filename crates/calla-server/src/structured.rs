@@ -14,8 +14,11 @@
 //! tags), limited by the property's `enum` / `maxLength` / `minLength` when given.
 //!
 //! JSON is generated compactly with `", "` / `": "` separators and no other whitespace (so a
-//! model cannot pad forever). With a constraint, a prompt that opens a think block gets it closed
-//! first (as forced tool calls always did): constrained replies carry no reasoning.
+//! model cannot pad forever). Thinking: when the request turns thinking on explicitly
+//! (`chat_template_kwargs.enable_thinking: true`, Anthropic `thinking`, a Responses
+//! `reasoning.effort`), the reply may reason first, unconstrained up to `</think>`, and the
+//! constraint applies after it; otherwise the think block the prompt opens is closed first and the
+//! reply carries no reasoning (a reasoning that never ends runs into max_tokens).
 //!
 //! The token trie and the parser factory are built once, at the first constrained request (about a
 //! second for a 248K vocabulary), and shared.
@@ -31,6 +34,11 @@ use serde_json::{json, Value as Json};
 use crate::codec::TextCodec;
 use crate::errors::ApiError;
 use crate::state::Runtime;
+
+/// Whether template kwargs turn thinking on explicitly (`enable_thinking: true`).
+pub fn thinking_requested(kwargs: Option<&serde_json::Map<String, Json>>) -> bool {
+    kwargs.and_then(|k| k.get("enable_thinking")) == Some(&Json::Bool(true))
+}
 
 /// What a reply must be.
 #[derive(Debug, Clone)]
@@ -83,6 +91,9 @@ pub fn response_format(
         )),
     }
 }
+
+/// The reasoning before a constrained reply: everything up to the first `</think>`.
+const THINK: &str = r"think[lazy]: /(?s:.)*<\/think>/";
 
 const JSON_OPTIONS: &str =
     r#"{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}"#;
@@ -219,16 +230,32 @@ fn tool_calls_lark(tools: &[Json], parallel: bool) -> String {
 }
 
 impl OutputGrammar {
-    pub fn to_grammar(&self) -> TopLevelGrammar {
-        match self {
-            OutputGrammar::JsonObject => {
-                TopLevelGrammar::from_json_schema(with_layout(&json!({"type": "object"})))
-            }
-            OutputGrammar::JsonSchema(schema) => {
+    /// The grammar; `think_first`: the reply starts inside a think block (the prompt opened it),
+    /// free text up to the first `</think>`, then `\n\n`, then the constrained part.
+    pub fn to_grammar(&self, think_first: bool) -> TopLevelGrammar {
+        let json = |schema: &Json| {
+            if think_first {
+                TopLevelGrammar::from_lark(format!(
+                    "start: think \"\\n\\n\" %json {}\n{THINK}\n",
+                    with_layout(schema)
+                ))
+            } else {
                 TopLevelGrammar::from_json_schema(with_layout(schema))
             }
+        };
+        match self {
+            OutputGrammar::JsonObject => json(&json!({"type": "object"})),
+            OutputGrammar::JsonSchema(schema) => json(schema),
             OutputGrammar::ToolCalls { tools, parallel } => {
-                TopLevelGrammar::from_lark(tool_calls_lark(tools, *parallel))
+                let calls = tool_calls_lark(tools, *parallel);
+                TopLevelGrammar::from_lark(if think_first {
+                    format!(
+                        "start: think \"\\n\\n\" calls\n{THINK}\n{}",
+                        calls.replacen("start:", "calls:", 1)
+                    )
+                } else {
+                    calls
+                })
             }
         }
     }
@@ -365,11 +392,12 @@ impl Grammars {
         &self,
         runtime: &Runtime,
         grammar: &OutputGrammar,
+        think_first: bool,
         n: usize,
         param: &str,
     ) -> Result<Vec<Box<dyn TokenConstraint>>, ApiError> {
         let factory = self.factory(runtime)?;
-        let matcher = grammar.matcher(&factory).map_err(|e| {
+        let matcher = grammar.matcher(&factory, think_first).map_err(|e| {
             ApiError::bad_param(param, format!("Invalid schema for '{param}': {e}"))
         })?;
         Ok((0..n)
@@ -379,9 +407,9 @@ impl Grammars {
 }
 
 impl OutputGrammar {
-    fn matcher(&self, factory: &ParserFactory) -> Result<Matcher, String> {
+    fn matcher(&self, factory: &ParserFactory, think_first: bool) -> Result<Matcher, String> {
         let parser = factory
-            .create_parser(self.to_grammar())
+            .create_parser(self.to_grammar(think_first))
             .map_err(|e| e.to_string())?;
         let matcher = Matcher::new(Ok(parser));
         match matcher.get_error() {
@@ -391,8 +419,14 @@ impl OutputGrammar {
     }
 
     /// One constraint for this grammar (requests compile once and clone it per choice).
-    pub fn constraint(&self, factory: &ParserFactory) -> Result<Box<dyn TokenConstraint>, String> {
-        Ok(Box::new(GrammarConstraint(self.matcher(factory)?)))
+    pub fn constraint(
+        &self,
+        factory: &ParserFactory,
+        think_first: bool,
+    ) -> Result<Box<dyn TokenConstraint>, String> {
+        Ok(Box::new(GrammarConstraint(
+            self.matcher(factory, think_first)?,
+        )))
     }
 }
 

@@ -15,7 +15,7 @@ use crate::errors::ApiError;
 use crate::generation::{submit_constrained, Events, Finished, Work};
 use crate::params::{from_body, GenParams, SamplingFields};
 use crate::state::{AppState, Runtime};
-use crate::structured::OutputGrammar;
+use crate::structured::{thinking_requested, OutputGrammar};
 use crate::tool_filter::{ToolCalls, ToolFilter};
 
 /// What a protocol handler hands over.
@@ -61,16 +61,21 @@ impl Turn {
                 None => (None, ""),
             },
         };
+        // Thinking asked for explicitly: reason first, constrain after (structured.rs).
+        let thinks = thinking_requested(req.kwargs.as_ref());
         let prompt = chat_prompt_constrained(
             runtime,
             &req.messages,
             &req.tools,
             &req.choice,
             req.kwargs.as_ref(),
-            grammar.is_some(),
+            grammar.is_some() && !thinks,
         )?;
         let constraint = match &grammar {
-            Some(g) => state.grammars.constraints(runtime, g, 1, param)?.pop(),
+            Some(g) => state
+                .grammars
+                .constraints(runtime, g, prompt.output.starts_in_reasoning, 1, param)?
+                .pop(),
             None => None,
         };
         let room = runtime.max_context - prompt.ids.len();

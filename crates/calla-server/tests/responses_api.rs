@@ -292,7 +292,11 @@ async fn model_by_id_cors_and_unknown_fields() {
     assert_eq!(r.json()["id"], "test-model");
     let r = request(server.addr, "GET", "/v1/models/org/other", &auth, b"").await;
     assert_eq!(r.status, 404);
-    assert_eq!(r.json()["error"]["code"], "model_not_found", "ids may hold a slash");
+    assert_eq!(
+        r.json()["error"]["code"],
+        "model_not_found",
+        "ids may hold a slash"
+    );
     let r = request(server.addr, "GET", "/v1/models/other", &auth, b"").await;
     assert_eq!(r.status, 404);
     assert_eq!(r.json()["error"]["code"], "model_not_found");

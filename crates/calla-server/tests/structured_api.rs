@@ -189,3 +189,47 @@ async fn forced_tool_arguments_may_use_the_parameters_definitions() {
         .unwrap_or_else(|| panic!("{args}"));
     assert!((10..=99).contains(&zip));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn explicit_thinking_reasons_first_then_the_constraint_applies() {
+    let server = start(Options::default()).await;
+    let body = json!({"messages": user(r#"raw {"a": 1}"#), "max_tokens": 200,
+        "chat_template_kwargs": {"enable_thinking": true},
+        "response_format": {"type": "json_object"}});
+    let r = post(server.addr, CHAT, &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = r.json();
+    let message = &r["choices"][0]["message"];
+    assert_eq!(
+        message["reasoning_content"], r#"Let me think about raw {"a": 1}."#,
+        "{r}"
+    );
+    assert_eq!(message["content"], r#"{"a": 1}"#);
+    // without the explicit ask the think block is closed first: no reasoning
+    let body = json!({"messages": user(r#"raw {"a": 1}"#), "max_tokens": 200,
+        "response_format": {"type": "json_object"}});
+    let r = post(server.addr, CHAT, &body).await.json();
+    assert!(
+        r["choices"][0]["message"]
+            .get("reasoning_content")
+            .is_none(),
+        "{r}"
+    );
+    assert_eq!(r["choices"][0]["message"]["content"], r#"{"a": 1}"#);
+    // the same for a forced tool call
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}}]);
+    let body = json!({"messages": user("weather in Paris?"), "tools": tools, "tool_choice": "required",
+        "chat_template_kwargs": {"enable_thinking": true}, "parallel_tool_calls": false});
+    let r = post(server.addr, CHAT, &body).await.json();
+    let message = &r["choices"][0]["message"];
+    assert_eq!(
+        message["reasoning_content"], "Let me think about weather in Paris?.",
+        "{r}"
+    );
+    assert_eq!(
+        message["tool_calls"][0]["function"]["arguments"],
+        r#"{"city": "Paris", "days": 3}"#
+    );
+}

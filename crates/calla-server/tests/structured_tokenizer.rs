@@ -68,7 +68,7 @@ fn a_schema_lets_a_valid_reply_through_then_only_eos() {
     let schema = json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
         "required": ["city", "days"], "additionalProperties": false});
     let mut c = OutputGrammar::JsonSchema(schema)
-        .constraint(&factory)
+        .constraint(&factory, false)
         .unwrap();
     let reply = r#"{"city": "Paris", "days": 3}"#;
     let started = Instant::now();
@@ -96,7 +96,7 @@ fn a_schema_lets_a_valid_reply_through_then_only_eos() {
     );
     // an invalid continuation is refused
     let mut c = OutputGrammar::JsonSchema(json!({"type": "integer"}))
-        .constraint(&factory)
+        .constraint(&factory, false)
         .unwrap();
     let mask = c.allowed(model_vocab).unwrap();
     let letter = codec.encode("x").unwrap()[0];

@@ -83,6 +83,8 @@ pub fn script(prompt: &str) -> String {
             call("launch_rockets", "Paris"),
             call("get_weather", "Rome")
         )
+    } else if let Some(raw) = user.strip_prefix("raw ") {
+        raw.to_string()
     } else if let Some(json) = user.strip_prefix("json ") {
         format!("Here: {json}")
     } else if prompt.contains("<tools>") && user.contains("weather") {
@@ -204,8 +206,9 @@ impl Backend for ScriptBackend {
         })
     }
     /// Constrained steps (the server's grammars) come here: the script's next byte gets the
-    /// highest logit, where the script is the reply, or the reply from its first `<tool_call>` or
-    /// `{` on (the grammar skips a preamble), whichever the text so far follows; off script, EOS.
+    /// highest logit, where the script is the reply, or the reply with its answer from its first
+    /// `<tool_call>` or `{` on (the grammar skips a preamble), whichever the text so far follows;
+    /// off script, EOS.
     fn forward_logits(
         &mut self,
         seq: &mut dyn Sequence,
@@ -223,11 +226,19 @@ impl Backend for ScriptBackend {
             .filter(|&&t| t < 256)
             .map(|&t| t as u8)
             .collect();
-        let candidates = [Some(0), reply.find("<tool_call>"), reply.find('{')];
-        let next = candidates
+        // The reasoning stays; the answer's preamble may be skipped.
+        let think_end = reply
+            .find("</think>\n\n")
+            .map_or(0, |i| i + "</think>\n\n".len());
+        let (head, answer) = reply.split_at(think_end);
+        let candidates: Vec<String> = [Some(0), answer.find("<tool_call>"), answer.find('{')]
             .into_iter()
             .flatten()
-            .map(|at| &reply.as_bytes()[at..])
+            .map(|at| format!("{head}{}", &answer[at..]))
+            .collect();
+        let next = candidates
+            .iter()
+            .map(|c| c.as_bytes())
             .find(|c| c.starts_with(&generated))
             .map(|c| c.get(generated.len()).map_or(EOS, |&b| b as u32));
         let mut logits = vec![0.0; 257];
