@@ -46,6 +46,9 @@ pub struct Args {
     /// Also log each request's prompt and output text.
     #[arg(long)]
     log_text: bool,
+    /// Browser origin allowed CORS (repeatable; `*` for any); default: none.
+    #[arg(long = "cors-origin")]
+    cors_origins: Vec<String>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -66,6 +69,7 @@ pub fn run(args: Args) -> Result<()> {
         api_key: args.api_key.clone(),
         max_body_bytes: args.max_body_mb << 20,
         log_text: args.log_text,
+        cors_origins: args.cors_origins.clone(),
         ..ServerConfig::default()
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()

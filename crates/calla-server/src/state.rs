@@ -14,6 +14,8 @@ use crate::auth::ApiKey;
 use crate::codec::TextCodec;
 use crate::errors::ApiError;
 use crate::metrics::{EngineGauges, Metrics};
+use crate::responses::ResponseStore;
+use crate::structured::Grammars;
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -26,6 +28,8 @@ pub struct ServerConfig {
     pub log_text: bool,
     /// Most choices one request may ask for (`n`).
     pub max_n: usize,
+    /// Browser origins that get CORS headers (`*`: any); empty: no CORS (cors.rs).
+    pub cors_origins: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -36,6 +40,7 @@ impl Default for ServerConfig {
             max_body_bytes: 16 << 20,
             log_text: false,
             max_n: 16,
+            cors_origins: Vec::new(),
         }
     }
 }
@@ -56,6 +61,10 @@ pub struct AppState {
     pub config: ServerConfig,
     pub api_key: Option<ApiKey>,
     pub metrics: Metrics,
+    /// Constrained decoding's shared parser factory (structured.rs).
+    pub grammars: Grammars,
+    /// Recent /v1/responses results, for previous_response_id (responses.rs).
+    pub responses: ResponseStore,
     /// Unix time the server started (the `created` of /v1/models).
     pub started: u64,
     runtime: OnceLock<Arc<Runtime>>,
@@ -69,6 +78,8 @@ impl AppState {
             api_key: config.api_key.as_deref().map(ApiKey::new),
             config,
             metrics: Metrics::default(),
+            grammars: Grammars::default(),
+            responses: ResponseStore::default(),
             started: unix_now(),
             runtime: OnceLock::new(),
             ids: AtomicU64::new(0),

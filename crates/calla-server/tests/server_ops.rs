@@ -316,6 +316,7 @@ async fn full_queue_answers_429() {
     }
     let refused = post(addr, CHAT, &json!({"messages": user("x")})).await;
     assert_openai_error(&refused, 429, None, Some("queue_full"));
+    assert_eq!(refused.header("retry-after"), Some("1"));
     assert_eq!(running.await.unwrap().status, 200);
     assert_eq!(waiting.await.unwrap().status, 200);
     assert_eq!(
