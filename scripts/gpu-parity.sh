@@ -3,24 +3,19 @@
 #   (a) every kernel family against the CPU reference on fresh random inputs (odd and real shapes)
 #   (b) every committed fixture: prefill logits and 64-step greedy decode, CUDA vs the CPU engine
 #   (c) real shapes: a 4-layer model with the real Qwen3.6-35B-A3B dims, made with transformers
-#       (scripts/gpu-real-shape.py), greedy tokens and log-probabilities vs transformers
-# Needs the binaries from scripts/gpu-build.sh in .gpu-bin/ (the GPU machine has no Rust):
-#   run(command="scripts/gpu-parity.sh", carry=[".gpu-bin"])
-# Logs go to $OUT (or ./gpu-logs).
+#       (scripts/gpu-real-shape.py: needs python3 with torch and transformers), greedy tokens and
+#       log-probabilities vs transformers
+#   (d) the prompt-path kernels (prefill_* test binaries) against their references
+# Needs the binaries of scripts/gpu-build.sh in .gpu-bin/ (BIN_DIR); logs go to $OUT_DIR (./out).
+#   usage: scripts/gpu-parity.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
-LOGS=${OUT:-$PWD/gpu-logs}
+source "$(dirname "$0")/gpu-env.sh"
+LOGS=$OUT_DIR/parity
 mkdir -p "$LOGS"
-BIN=.gpu-bin
-# kernels compiled by scripts/gpu-build.sh (same cache keys), else compiled here once
-[ -d .gpu-bin/kernel-cache ] && cp -r .gpu-bin/kernel-cache /tmp/calla-kernels 2>/dev/null
-export CALLA_KERNEL_CACHE=${CALLA_KERNEL_CACHE:-/tmp/calla-kernels}
-export RUST_BACKTRACE=1
-export CALLA_FIXTURES=${CALLA_FIXTURES:-$PWD/tests/fixtures}
-REAL=/tmp/calla-real-shape
-echo "commit $(cat $BIN/COMMIT 2>/dev/null | tr '\n' ' ')"
-# CALLA_PROMPT_PRECISION (e.g. mixed) reaches every prompt here: CudaOptions::default() in the
-# engine tests and the CLI's --prompt-precision default in `calla generate`.
+BIN=$BIN_DIR
+export RUST_BACKTRACE=1 CALLA_REQUIRE_GPU=1
+REAL=${REAL_SHAPE_DIR:-${TMPDIR:-/tmp}/calla-real-shape}
+# CALLA_PROMPT_PRECISION (e.g. mixed) is `calla generate`'s --prompt-precision default here.
 echo "prompt precision: ${CALLA_PROMPT_PRECISION:-balanced (default)}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || true
 
@@ -42,8 +37,13 @@ start=$(date +%s)
 run_tests engine-cpu 180 engine_matches_cpu
 echo "engine vs CPU: $(( $(date +%s) - start )) s"
 start=$(date +%s)
-run_tests engine-layer 120 engine_layer_kernel
-echo "decode layer kernel vs chain: $(( $(date +%s) - start )) s"
+prefill_status=0
+for t in prefill_gemm prefill_deltanet prefill_attention prefill_moe prefill_layers; do
+    [ -x "$BIN/$t" ] || { echo "[$t] missing from $BIN (scripts/gpu-build.sh builds it)"; status=1; continue; }
+    timeout 200 "$BIN/$t" --ignored --test-threads=1 --nocapture > "$LOGS/$t.log" 2>&1 || { echo "[$t] exit $? (log: $t.log)"; prefill_status=1; }
+done
+[ $prefill_status -eq 0 ] || status=1
+echo "prompt-path kernels: $(( $(date +%s) - start )) s"
 # The CLI end to end on every fixture: `calla generate --json` on cuda vs cpu (64 greedy tokens).
 start=$(date +%s)
 for dir in tests/fixtures/models/*/; do
@@ -86,9 +86,9 @@ echo "engine vs transformers: $(( $(date +%s) - start )) s"
 echo
 echo "| check                                          | shape                      |  max error |     where | of tol.  |      |"
 echo "|------------------------------------------------|----------------------------|-----------:|----------:|---------:|------|"
-cat "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-layer.log "$LOGS"/cli.log "$LOGS"/engine-transformers.log 2>/dev/null | sed -E 's/^test [^ ]+ \.\.\. //' | grep '^| '
+cat "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/cli.log "$LOGS"/engine-transformers.log 2>/dev/null | sed -E 's/^test [^ ]+ \.\.\. //' | grep '^| '
 echo
-grep -h -E '^test .*(ok|FAILED|ignored)$|^test result|panicked|^error' "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-layer.log "$LOGS"/engine-transformers.log | grep -v '^test result: ok. 0 passed' | head -40
+grep -h -E '^test .*(ok|FAILED|ignored)$|^test result|panicked|^error' "$LOGS"/kernels.log "$LOGS"/engine-cpu.log "$LOGS"/engine-transformers.log "$LOGS"/prefill_*.log | grep -v '^test result: ok. 0 passed' | head -40
 grep -q 'FAIL |' "$LOGS"/*.log && status=1
 echo "parity: $([ $status -eq 0 ] && echo ALL PASS || echo FAILURES)"
 exit $status

@@ -1,7 +1,7 @@
 //! OpenAI chat messages → the shape chat templates expect.
 //!
 //! Messages pass through as the client wrote them (transformers hands templates the same dicts), with
-//! three changes the templates need (model.md §4.4, serving.md §1.7): `developer` is a system message,
+//! three changes the templates need (as vLLM's and mlx-lm's servers make them): `developer` is a system message,
 //! `reasoning` is accepted as `reasoning_content`, and `tool_calls[].function.arguments`, a JSON string
 //! on the wire, becomes the mapping the template iterates with `|items`. Everything else is validated
 //! here so a bad message is a 400 naming the field, not a template error.

@@ -6,7 +6,7 @@
 //! handled too. Whitespace around the tags is the template's framing, not text: it is dropped at the
 //! start of each part and at the end of the reasoning (the template trims both when it re-renders them).
 //! With tools, `<tool_call>` inside reasoning ends it: the call goes to the tool parser instead of being
-//! lost in the thinking (a known failure of other servers, model.md §4.5).
+//! lost in the thinking (a known failure of other servers).
 
 use crate::scan::{find_first, may_start_with, partial_tag_suffix, split_trailing_whitespace};
 

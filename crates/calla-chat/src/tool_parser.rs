@@ -9,7 +9,7 @@
 //! </function>
 //! </tool_call>
 //! ```
-//! As vLLM's and mlx-lm's `qwen3_coder` parsers do (model.md §4.5): one leading and one trailing `\n`
+//! As vLLM's and mlx-lm's `qwen3_coder` parsers do: one leading and one trailing `\n`
 //! of a value are framing; a value ends at `</parameter>`, or at the next `<parameter=` or
 //! `</function>` when the model forgot to close it; the value is typed by the tool's JSON schema
 //! (integer, number, boolean, object/array as JSON, "null" → null, anything else a string). Streaming
@@ -383,6 +383,13 @@ pub fn convert_parameter(raw: &str, schema: Option<&Json>) -> Json {
             .find(|t| *t != "null")
             .unwrap_or("string")
             .to_ascii_lowercase(),
+        // No type but a structure ($ref, anyOf, properties, …): the value is JSON.
+        None if ["$ref", "anyOf", "oneOf", "allOf", "properties", "items"]
+            .iter()
+            .any(|k| schema.get(k).is_some()) =>
+        {
+            "object".into()
+        }
         _ => "string".into(),
     };
     let text = raw.trim();
@@ -529,6 +536,12 @@ mod tests {
     fn conversions() {
         let s = |t: &str| json!({"type": t});
         assert_eq!(convert_parameter("12", Some(&s("integer"))), json!(12));
+        let by_ref = json!({"$ref": "#/$defs/Addr"});
+        assert_eq!(
+            convert_parameter("{\"zip\": 1}", Some(&by_ref)),
+            json!({"zip": 1})
+        );
+        assert_eq!(convert_parameter("plain", Some(&by_ref)), json!("plain"));
         assert_eq!(convert_parameter("12a", Some(&s("integer"))), json!("12a"));
         assert_eq!(convert_parameter("1.0", Some(&s("number"))), json!(1));
         assert_eq!(convert_parameter("1.5", Some(&s("number"))), json!(1.5));

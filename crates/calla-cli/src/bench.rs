@@ -11,28 +11,17 @@
 //! the fraction of the device copy bandwidth measured in the same run. Each round's generated tokens
 //! are digested (FNV-1a 64); greedy decoding from the same state must repeat them.
 
-use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::io::{IsTerminal, Write};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use calla_cuda::bench::{self, BenchModel, BenchOptions, BenchReport, Progress};
-use calla_cuda::weights::Format;
-use calla_cuda::KvDtype;
-use calla_engine::sampling::SamplingParams;
+use calla_cuda::ops::weights::Format;
 use calla_model::load::{load_model, LoadOptions, Quant};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::device::{PromptPrecision, PROMPT_PRECISION_HELP};
-
-/// `--kv-cache` when not given: the engine's default.
-fn default_kv_cache() -> &'static str {
-    match calla_cuda::backend::DEFAULT_KV_CACHE {
-        KvDtype::F32 => "f32",
-        KvDtype::Bf16 => "bf16",
-    }
-}
+use crate::args::{Device, DeviceArgs, ModelArgs, SamplingArgs};
 
 /// The synthetic preset when neither --synthetic nor --model is given.
 const DEFAULT_PRESET: &str = "qwen3.6-35b-a3b";
@@ -45,13 +34,10 @@ pub struct Args {
     /// Synthetic model preset: qwen3.6-35b-a3b (the real dims; the default), cpu-mid, tiny.
     #[arg(long, conflicts_with = "model")]
     synthetic: Option<String>,
-    /// Benchmark a real checkpoint folder instead of a synthetic model.
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Synthetic: weight format to make, q4 (MLX affine g64, 8-bit router; the default) or bf16.
-    /// --model: convert at load (q4, q8, bf16, f32); default: keep the stored formats.
-    #[arg(long)]
-    quant: Option<Quant>,
+    /// --model: the checkpoint to benchmark (default: a synthetic model); --quant: for a synthetic
+    /// model the weight format to make, q4 (MLX affine g64, 8-bit router; the default) or bf16.
+    #[command(flatten)]
+    model: ModelArgs,
     /// Prompt tokens (prefill / time to first token).
     #[arg(long, default_value_t = 512)]
     prompt_len: usize,
@@ -70,11 +56,9 @@ pub struct Args {
     /// Untimed decode steps before each round.
     #[arg(long, default_value_t = 8)]
     warmup: usize,
-    /// K/V cache element type: f32 or bf16 (default: the engine's, calla_cuda DEFAULT_KV_CACHE).
-    #[arg(long, default_value = default_kv_cache())]
-    kv_cache: String,
-    #[arg(long, env = calla_cuda::prompt_precision::ENV, default_value = "balanced", help = PROMPT_PRECISION_HELP)]
-    prompt_precision: PromptPrecision,
+    /// The engine measured: the CUDA engine (auto and cuda; cpu is refused).
+    #[command(flatten)]
+    device: DeviceArgs,
     /// Prompt tokens per batched prefill chunk (0: token by token through the decode graph).
     #[arg(long, default_value_t = calla_cuda::CudaOptions::default().prompt_chunk)]
     prompt_chunk: usize,
@@ -85,36 +69,27 @@ pub struct Args {
     /// instead of with the next step in flight, as `calla generate` and `calla serve` decode.
     #[arg(long)]
     no_pipeline: bool,
-    /// Decode by sampling at this temperature instead of greedy (0), e.g. to time a chat client's
-    /// settings; with --top-p, --top-k. The draws are seeded, so rounds still repeat.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Nucleus sampling threshold (1 = off); needs --temperature.
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Keep the k most likely tokens (0 = off); needs --temperature.
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
+    /// Decode with these sampling settings instead of greedy, e.g. to time a chat client's; the
+    /// draws are seeded, so rounds still repeat.
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Print one JSON object instead of the table (no progress bars).
     #[arg(long)]
     json: bool,
 }
 
+/// The seed of a sampled bench's draws (fixed: the sampling digests are compared across runs).
+const SAMPLING_SEED: u64 = 0x5EED;
+
 pub fn run(args: Args) -> Result<()> {
-    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+    if args.device.device == Device::Cpu {
         bail!(
-            "--temperature {}: expected a finite value ≥ 0",
-            args.temperature
+            "calla bench measures the CUDA engine; --device cpu is not benchmarked here (the CPU \
+             engine's numbers: docs/cpu-engine.md)"
         );
     }
-    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
-        bail!("--top-p {}: expected a value in (0, 1]", args.top_p);
-    }
-    let kv_cache = match args.kv_cache.as_str() {
-        "f32" => KvDtype::F32,
-        "bf16" => KvDtype::Bf16,
-        other => bail!("--kv-cache {other:?}: expected f32 or bf16"),
-    };
+    let sampling = args.sampling.fixed(SAMPLING_SEED)?;
+    let kv_cache = args.device.kv_cache.to_cuda();
     let opts = BenchOptions {
         prompt_len: args.prompt_len,
         gen_len: args.gen_len,
@@ -125,23 +100,23 @@ pub fn run(args: Args) -> Result<()> {
         seed: 0x00CA_11A0,
         profile: args.profile,
         pipelined: !args.no_pipeline,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_p: args.top_p,
-            top_k: args.top_k,
-            seed: 0x5EED,
-            ..SamplingParams::greedy()
-        },
-        prompt_precision: args.prompt_precision,
+        sampling,
+        prompt_precision: args.device.prompt_precision,
         prompt_chunk: args.prompt_chunk,
+        kernels: args.device.kernel_choices(),
     };
     let bars = Bars::new(!args.json);
-    let report = match &args.model {
+    let report = match &args.model.model {
         Some(dir) => {
             bars.begin(&format!("loading {}", dir.display()), 0, false);
             let started = Instant::now();
-            let loaded = load_model(dir, &LoadOptions { quant: args.quant })
-                .with_context(|| format!("loading the checkpoint in {}", dir.display()))?;
+            let loaded = load_model(
+                dir,
+                &LoadOptions {
+                    quant: args.model.quant,
+                },
+            )
+            .with_context(|| format!("loading the checkpoint in {}", dir.display()))?;
             let load_s = started.elapsed().as_secs_f64();
             bars.end();
             let name = dir
@@ -165,7 +140,7 @@ pub fn run(args: Args) -> Result<()> {
                     calla_model::synthetic::PRESETS.join(", ")
                 );
             };
-            let format = match args.quant.unwrap_or(Quant::Q4) {
+            let format = match args.model.quant.unwrap_or(Quant::Q4) {
                 Quant::Q4 => Format::Q4,
                 Quant::Bf16 => Format::Bf16,
                 other => bail!("--quant {other}: the synthetic benchmark makes q4 or bf16 weights"),
@@ -178,11 +153,14 @@ pub fn run(args: Args) -> Result<()> {
             bench::run(model, &opts, &bars)?
         }
     };
+    // a closed pipe (`calla bench … | head`) is an io error here, not a panic (main exits quietly)
+    let mut stdout = std::io::stdout().lock();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        writeln!(stdout, "{}", serde_json::to_string_pretty(&report)?)?;
     } else {
-        print_table(&report);
+        print_table(&mut stdout, &report)?;
     }
+    stdout.flush()?;
     Ok(())
 }
 
@@ -256,32 +234,36 @@ impl Progress for Bars {
     }
 }
 
-fn print_table(r: &BenchReport) {
+fn print_table(out: &mut impl Write, r: &BenchReport) -> std::io::Result<()> {
     let gb = |b: f64| b / 1e9;
-    println!("device      {}", r.device);
-    println!(
+    writeln!(out, "device      {}", r.device)?;
+    writeln!(
+        out,
         "model       {} ({} {}, KV cache {}; decode {})",
         r.model, r.source, r.format, r.kv_cache, r.decode_sampling
-    );
+    )?;
     let made = if r.source == "synthetic" {
         "made"
     } else {
         "uploaded"
     };
     match r.checkpoint_load_s {
-        Some(load_s) => println!(
+        Some(load_s) => writeln!(
+            out,
             "weights     {:.2} GB on the GPU (read from disk in {load_s:.1} s, {made} in {:.1} s)",
             gb(r.weight_bytes as f64),
             r.weights_made_s
-        ),
-        None => println!(
+        )?,
+        None => writeln!(
+            out,
             "weights     {:.2} GB on the GPU ({made} in {:.1} s)",
             gb(r.weight_bytes as f64),
             r.weights_made_s
-        ),
+        )?,
     }
     let m = &r.memory;
-    println!(
+    writeln!(
+        out,
         "peak memory {:.2} GB (weights {:.2}, sequence state {:.2}, prompt scratch {:.2}, decode \
          scratch {:.3}, other {:.2})",
         gb(r.peak_gpu_memory_bytes as f64),
@@ -290,12 +272,14 @@ fn print_table(r: &BenchReport) {
         gb(m.prompt_scratch as f64),
         gb(m.decode_scratch as f64),
         gb(m.other as f64)
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "copy        {:.0} GB/s device-to-device (read + write)",
         r.copy_gb_s
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "decode step {} launches, one CUDA graph; {}",
         r.launches_per_token,
         if r.decode_pipelined {
@@ -303,24 +287,33 @@ fn print_table(r: &BenchReport) {
         } else {
             "one step at a time (--no-pipeline)"
         }
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "prefill     {} tokens ({} precision, chunks of {}): TTFT {:.1} ms, {:.0} tok/s",
         r.prefill.tokens,
         r.prefill.precision,
         r.prefill.chunk,
         r.prefill.ttft_ms,
         r.prefill.tokens_per_s
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "read/token  {:.3} GB per decoded token at context {}",
         gb(r.bytes_per_decoded_token),
         r.decode.iter().map(|d| d.context).min().unwrap_or(0)
-    );
-    println!("| context | tokens | ms/token | tok/s  | GB/token | GB/s   | of copy BW |");
-    println!("|--------:|-------:|---------:|-------:|---------:|-------:|-----------:|");
+    )?;
+    writeln!(
+        out,
+        "| context | tokens | ms/token | tok/s  | GB/token | GB/s   | of copy BW |"
+    )?;
+    writeln!(
+        out,
+        "|--------:|-------:|---------:|-------:|---------:|-------:|-----------:|"
+    )?;
     for d in &r.decode {
-        println!(
+        writeln!(
+            out,
             "| {:>7} | {:>6} | {:>8.3} | {:>6.1} | {:>8.3} | {:>6.0} | {:>9.1}% |",
             d.context,
             d.tokens,
@@ -329,39 +322,48 @@ fn print_table(r: &BenchReport) {
             gb(d.bytes_per_token),
             d.achieved_gb_s,
             100.0 * d.fraction_of_copy_bandwidth
-        );
+        )?;
     }
     let yes_no = |b: bool| if b { "yes" } else { "no" };
-    println!(
+    writeln!(
+        out,
         "first token per round: {:?} (repeats: {})",
         r.prefill.first_tokens,
         yes_no(r.prefill.first_token_repeats)
-    );
+    )?;
     for d in &r.decode {
-        println!(
+        writeln!(
+            out,
             "digest at context {:>6}: {} (repeats: {})",
             d.context,
             d.digests.join(" "),
             yes_no(d.digest_repeats)
-        );
+        )?;
     }
-    println!("digest repeats: {}", yes_no(r.digests_repeat));
+    writeln!(out, "digest repeats: {}", yes_no(r.digests_repeat))?;
     if !r.profile.is_empty() {
         let total: f64 = r.profile.iter().map(|p| p.2).sum();
-        println!("decode step, kernel by kernel (no graph; {total:.0} µs in all):");
+        writeln!(
+            out,
+            "decode step, kernel by kernel (no graph; {total:.0} µs in all):"
+        )?;
         for (name, n, us) in &r.profile {
-            println!(
+            writeln!(
+                out,
                 "  {name:<28} ×{n:<4} {us:>9.1} µs  {:>5.1}%",
                 100.0 * us / total
-            );
+            )?;
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args::PromptPrecision;
     use clap::Parser;
+    use std::path::PathBuf;
 
     #[derive(Parser)]
     struct Cli {
@@ -385,26 +387,26 @@ mod tests {
     #[test]
     fn quant_is_optional_and_parsed() {
         let a = parse(&["--model", "m"]).expect("parses");
-        assert_eq!(a.quant, None);
-        assert_eq!(a.model, Some(PathBuf::from("m")));
+        assert_eq!(a.model.quant, None);
+        assert_eq!(a.model.model, Some(PathBuf::from("m")));
         let a = parse(&["--synthetic", "tiny", "--quant", "bf16"]).expect("parses");
-        assert_eq!(a.quant, Some(Quant::Bf16));
+        assert_eq!(a.model.quant, Some(Quant::Bf16));
         assert!(parse(&["--quant", "q3"]).is_err());
     }
 
     #[test]
     fn prompt_precision_takes_presets_and_group_overrides() {
         let a = parse(&["--prompt-precision", "mixed"]).expect("parses");
-        assert_eq!(a.prompt_precision, PromptPrecision::MIXED);
+        assert_eq!(a.device.prompt_precision, PromptPrecision::MIXED);
         let a = parse(&["--prompt-precision", "mixed,shared=auto"]).expect("parses");
-        assert_eq!(a.prompt_precision, PromptPrecision::FFN);
+        assert_eq!(a.device.prompt_precision, PromptPrecision::FFN);
         let a = parse(&["--prompt-precision", "mixed,experts=fast"]).expect("parses");
         assert_eq!(
-            a.prompt_precision.expert_down,
-            Some(calla_cuda::gemm::Precision::Fast)
+            a.device.prompt_precision.expert_down,
+            Some(calla_cuda::ops::gemm::Precision::Fast)
         );
         let a = parse(&["--prompt-precision", "experts-up"]).expect("parses");
-        assert_eq!(a.prompt_precision, PromptPrecision::EXPERTS_UP);
+        assert_eq!(a.device.prompt_precision, PromptPrecision::EXPERTS_UP);
         let err = parse(&["--prompt-precision", "mixd"])
             .err()
             .expect("rejected");
@@ -412,10 +414,10 @@ mod tests {
         assert!(err.to_string().contains("mixed"), "{err}");
         // without the flag: balanced (the engine's default too), unless CALLA_PROMPT_PRECISION
         // says otherwise
-        if std::env::var_os(calla_cuda::prompt_precision::ENV).is_none() {
+        if std::env::var_os(calla_cuda::ops::prompt_precision::ENV).is_none() {
             let a = parse(&[]).expect("parses");
-            assert_eq!(a.prompt_precision, PromptPrecision::BALANCED);
-            assert_eq!(a.prompt_precision, PromptPrecision::default());
+            assert_eq!(a.device.prompt_precision, PromptPrecision::BALANCED);
+            assert_eq!(a.device.prompt_precision, PromptPrecision::default());
         }
     }
 

@@ -6,34 +6,28 @@
 //! process, without HTTP.
 
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use calla_chat::{OutputEvent, OutputParser};
-use calla_model::load::{load_model, LoadOptions, Quant};
+use calla_model::load::{load_model, LoadOptions};
 use calla_server::chat::{chat_prompt, ToolChoice};
 use calla_server::generation::{submit, GenEvent, Work};
 use calla_server::params::SamplingFields;
 use calla_server::{start_runtime, AppState, RuntimeOptions, ServerConfig};
 use serde_json::{json, Map, Value as Json};
 
-use crate::device::{open_backend, CudaFlags, Device};
+use crate::args::{CacheArgs, DeviceArgs, ModelArgs, SamplingArgs};
+use crate::device::open_backend;
 use crate::serve::demo_checkpoint;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Checkpoint directory; without it, the bundled tiny demo checkpoint (meaningless text).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    #[arg(long, value_enum, default_value = "cpu")]
-    device: Device,
     #[command(flatten)]
-    cuda: CudaFlags,
-    /// Convert weights at load (q4, q8, bf16, f32).
-    #[arg(long)]
-    quant: Option<Quant>,
+    model: ModelArgs,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// A system prompt for the conversation.
     #[arg(long)]
     system: Option<String>,
@@ -42,40 +36,43 @@ pub struct Args {
     no_think: bool,
     /// Most tokens per reply (default: what the context has left).
     #[arg(long)]
-    max_tokens: Option<i64>,
-    /// Sampling; unset fields come from the checkpoint's generation_config.json.
+    max_tokens: Option<usize>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Seed of the sampler, the same for every reply (default: a fresh one per reply).
     #[arg(long)]
-    temperature: Option<f64>,
-    #[arg(long)]
-    top_p: Option<f64>,
-    #[arg(long)]
-    top_k: Option<i64>,
-    #[arg(long)]
-    seed: Option<i64>,
-    /// Longest conversation in tokens (default: the model's context).
-    #[arg(long)]
-    max_context: Option<usize>,
+    seed: Option<u64>,
+    #[command(flatten)]
+    cache: CacheArgs,
 }
 
 const DIM: &str = "\x1b[2m";
 const RESET: &str = "\x1b[0m";
 
 pub fn run(args: Args) -> Result<()> {
-    let dir = match &args.model {
+    args.sampling.check()?;
+    let dir = match &args.model.model {
         Some(dir) => dir.clone(),
         None => {
             eprintln!("(no --model: chatting with the bundled tiny demo checkpoint; its text is meaningless)");
             demo_checkpoint()?
         }
     };
-    let loaded = load_model(&dir, &LoadOptions { quant: args.quant })?;
-    let backend = open_backend(&loaded, args.device, &args.cuda)?;
+    let loaded = load_model(
+        &dir,
+        &LoadOptions {
+            quant: args.model.quant,
+        },
+    )
+    .with_context(|| format!("loading {}", dir.display()))?;
+    let defaults = args.sampling.over(loaded.generation.clone())?;
+    let opened = open_backend(&loaded, &args.device, args.cache.max_context)?;
     let options = RuntimeOptions {
         max_queue: 4,
-        max_context: args.max_context,
-        prefix_cache_bytes: 2 << 30,
+        max_context: opened.capacity,
+        prefix_cache_bytes: args.cache.prefix_cache_bytes(),
     };
-    let runtime = start_runtime(&dir, backend, loaded.generation.clone(), &options)?;
+    let runtime = start_runtime(&dir, opened.backend, defaults, &options)?;
     drop(loaded);
     let state = AppState::new(ServerConfig::default());
     state.set_ready(runtime);
@@ -105,7 +102,7 @@ pub fn run(args: Args) -> Result<()> {
     let mut line = String::new();
     loop {
         if tty {
-            print!("\n> ");
+            write!(stdout, "\n> ")?;
             stdout.flush()?;
         }
         line.clear();
@@ -118,7 +115,7 @@ pub fn run(args: Args) -> Result<()> {
             "/exit" | "/quit" => break,
             "/reset" => {
                 messages = system.clone();
-                println!("(conversation cleared)");
+                writeln!(stdout, "(conversation cleared)")?;
                 continue;
             }
             _ => {}
@@ -128,7 +125,7 @@ pub fn run(args: Args) -> Result<()> {
             Ok(assistant) => messages.push(assistant),
             Err(e) => {
                 messages.pop();
-                println!("error: {e}");
+                writeln!(stdout, "error: {e}")?;
             }
         }
     }
@@ -146,12 +143,11 @@ fn reply(
 ) -> Result<Json> {
     let prompt = chat_prompt(runtime, messages, &[], &ToolChoice::None, Some(kwargs))
         .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+    // temperature, top-k/p, min-p: the runtime's defaults (generation_config.json with the flags
+    // over it)
     let fields = SamplingFields {
-        max_tokens: args.max_tokens,
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-        seed: args.seed,
+        max_tokens: args.max_tokens.map(|n| n.min(i64::MAX as usize) as i64),
+        seed: args.seed.map(|s| s as i64),
         ..SamplingFields::default()
     };
     let params = fields

@@ -10,22 +10,22 @@
 
 use std::io::Write;
 use std::ops::ControlFlow;
-use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 use calla_engine::generate::{generate, GenerateOutput, GenerateRequest};
-use calla_engine::{SamplingParams, TokenChoice};
-use calla_model::load::{load_model, LoadOptions, Quant};
+use calla_engine::TokenChoice;
+use calla_model::load::{load_model, LoadOptions};
 use calla_model::tokenizer::Tokenizer;
 use serde_json::json;
 
-use crate::device::{open_backend, CudaFlags, Device};
+use crate::args::{DeviceArgs, ModelArgs, SamplingArgs};
+use crate::device::open_backend;
 
 #[derive(clap::Args)]
+#[command(mut_arg("model", |a| a.required(true)))]
 pub struct Args {
-    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json).
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Prompt text, tokenized with the model's tokenizer (special tokens such as <|im_start|> are
     /// recognised; no BOS is added). No chat template is applied: see `calla chat`.
     #[arg(
@@ -40,18 +40,8 @@ pub struct Args {
     /// Tokens to generate at most (the stop token counts).
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
-    /// Sampling temperature; 0 = greedy. Without any sampling flag the CLI is greedy.
-    #[arg(long)]
-    temperature: Option<f32>,
-    /// Keep the K most likely tokens (0 = off). Turns sampling on (temperature 1 unless given).
-    #[arg(long)]
-    top_k: Option<usize>,
-    /// Nucleus sampling mass (1 = off). Turns sampling on (temperature 1 unless given).
-    #[arg(long)]
-    top_p: Option<f32>,
-    /// Drop tokens below M × the best token's probability (0 = off). Turns sampling on.
-    #[arg(long)]
-    min_p: Option<f32>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Seed of the sampler (draw i uses Philox(seed, i)).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -64,50 +54,8 @@ pub struct Args {
     /// Print one JSON object: prompt_ids, token_ids, text, logprobs, finish_reason.
     #[arg(long)]
     json: bool,
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    device: Device,
     #[command(flatten)]
-    cuda: CudaFlags,
-    /// Convert the weights at load: q4 / q8 (MLX affine, group 64), bf16, f32.
-    #[arg(long)]
-    quant: Option<Quant>,
-}
-
-impl Args {
-    fn sampling(&self) -> Result<SamplingParams> {
-        let sampled = self.temperature.is_some()
-            || self.top_k.is_some()
-            || self.top_p.is_some()
-            || self.min_p.is_some();
-        let p = SamplingParams {
-            temperature: if sampled {
-                self.temperature.unwrap_or(1.0)
-            } else {
-                0.0
-            },
-            top_k: self.top_k.unwrap_or(0),
-            top_p: self.top_p.unwrap_or(1.0),
-            min_p: self.min_p.unwrap_or(0.0),
-            seed: self.seed,
-            ..SamplingParams::default()
-        };
-        ensure!(
-            p.temperature.is_finite() && p.temperature >= 0.0,
-            "--temperature must be ≥ 0, got {}",
-            p.temperature
-        );
-        ensure!(
-            p.top_p > 0.0 && p.top_p <= 1.0,
-            "--top-p must be in (0, 1], got {}",
-            p.top_p
-        );
-        ensure!(
-            (0.0..=1.0).contains(&p.min_p),
-            "--min-p must be in [0, 1], got {}",
-            p.min_p
-        );
-        Ok(p)
-    }
+    device: DeviceArgs,
 }
 
 fn logprobs_json(choice: &TokenChoice) -> serde_json::Value {
@@ -134,9 +82,17 @@ fn report(out: &GenerateOutput) {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let sampling = args.sampling()?;
-    let loaded = load_model(&args.model, &LoadOptions { quant: args.quant })
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let sampling = args.sampling.fixed(args.seed)?;
+    let Some(dir) = &args.model.model else {
+        anyhow::bail!("give --model DIR");
+    };
+    let loaded = load_model(
+        dir,
+        &LoadOptions {
+            quant: args.model.quant,
+        },
+    )
+    .with_context(|| format!("loading {}", dir.display()))?;
     let vocab = loaded.spec.vocab_size;
     let tokenizer = Tokenizer::from_dir(&loaded.dir)
         .with_context(|| format!("reading the tokenizer of {}", loaded.dir.display()))?;
@@ -155,8 +111,8 @@ pub fn run(args: Args) -> Result<()> {
             "prompt token {id} (position {i}) is out of range: the model's vocab_size is {vocab}"
         );
     }
-    let mut backend = open_backend(&loaded, args.device, &args.cuda)?;
-    tracing::info!("{} on {}", args.model.display(), backend.describe());
+    let mut backend = open_backend(&loaded, &args.device, None)?.backend;
+    tracing::info!("{} on {}", dir.display(), backend.describe());
 
     let req = GenerateRequest {
         prompt: prompt.clone(),

@@ -4,40 +4,49 @@
 //! quantisation block. It runs the real loader, so a checkpoint that inspects cleanly also loads.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::io::Write;
 
 use anyhow::{Context, Result};
-use calla_model::load::{load_model, LoadOptions, LoadedModel, Quant};
+use calla_model::load::{load_model, LoadOptions, LoadedModel};
 use calla_model::tokenizer::Tokenizer;
 use calla_model::{FeedForwardSpec, LayerKind, ModelSpec};
 use serde_json::json;
 
+use crate::args::ModelArgs;
+
 #[derive(clap::Args)]
+#[command(mut_arg("model", |a| a.required(true)))]
 pub struct Args {
-    /// Checkpoint directory (config.json, *.safetensors, optionally tokenizer.json).
-    #[arg(long)]
-    model: PathBuf,
+    /// --quant: show the formats after this load-time conversion.
+    #[command(flatten)]
+    model: ModelArgs,
     /// Print one JSON object instead of the text summary.
     #[arg(long)]
     json: bool,
-    /// Show the formats after this load-time conversion (q4, q8, bf16, f32).
-    #[arg(long)]
-    quant: Option<Quant>,
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let model = load_model(&args.model, &LoadOptions { quant: args.quant })
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let Some(dir) = &args.model.model else {
+        anyhow::bail!("give --model DIR");
+    };
+    let model = load_model(
+        dir,
+        &LoadOptions {
+            quant: args.model.quant,
+        },
+    )
+    .with_context(|| format!("loading {}", dir.display()))?;
     // The tokenizer is optional here: it only names the stop tokens.
-    let tokenizer = Tokenizer::from_dir(&args.model).ok();
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&to_json(&model, tokenizer.as_ref()))?
-        );
+    let tokenizer = Tokenizer::from_dir(dir).ok();
+    let text = if args.json {
+        serde_json::to_string_pretty(&to_json(&model, tokenizer.as_ref()))? + "\n"
     } else {
-        print!("{}", to_text(&model, tokenizer.as_ref()));
-    }
+        to_text(&model, tokenizer.as_ref())
+    };
+    // a closed pipe (`calla inspect … | head`) is an io error here, not a panic (main exits quietly)
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(text.as_bytes())?;
+    stdout.flush()?;
     Ok(())
 }
 
@@ -49,11 +58,12 @@ fn kind_name(kind: LayerKind) -> &'static str {
 }
 
 /// The layer list as its shortest repeating unit, e.g. "[DN DN DN Attn] ×10".
-#[allow(clippy::manual_is_multiple_of)] // is_multiple_of is newer than rust-version 1.85
 pub fn layer_pattern(layers: &[LayerKind]) -> String {
     let n = layers.len();
     let period = (1..=n)
-        .find(|&p| n % p == 0 && layers.iter().enumerate().all(|(i, k)| *k == layers[i % p]))
+        .find(|&p| {
+            n.is_multiple_of(p) && layers.iter().enumerate().all(|(i, k)| *k == layers[i % p])
+        })
         .unwrap_or(n);
     let unit: Vec<&str> = layers[..period].iter().map(|&k| kind_name(k)).collect();
     if period == n {
@@ -365,6 +375,8 @@ pub fn to_json(model: &LoadedModel, tokenizer: Option<&Tokenizer>) -> serde_json
 #[cfg(test)]
 mod tests {
     use super::*;
+    use calla_model::load::Quant;
+    use std::path::PathBuf;
 
     fn fixture(name: &str) -> Option<PathBuf> {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

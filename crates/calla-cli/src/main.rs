@@ -1,5 +1,6 @@
 //! `calla`: one binary, one subcommand per file.
 
+mod args;
 mod bench;
 mod chat;
 mod device;
@@ -44,8 +45,8 @@ fn main() -> std::process::ExitCode {
         .init();
     // An empty CALLA_PROMPT_PRECISION means "unset" to the engine (PromptPrecision::from_env);
     // clap would reject it as an empty value, so it goes before parsing (still single-threaded).
-    if std::env::var_os(calla_cuda::prompt_precision::ENV).is_some_and(|v| v.is_empty()) {
-        std::env::remove_var(calla_cuda::prompt_precision::ENV);
+    if std::env::var_os(calla_cuda::ops::prompt_precision::ENV).is_some_and(|v| v.is_empty()) {
+        std::env::remove_var(calla_cuda::ops::prompt_precision::ENV);
     }
     let cli = Cli::parse();
     let result = match cli.command {
@@ -57,9 +58,20 @@ fn main() -> std::process::ExitCode {
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // The reader went away (`calla inspect … | head`): nothing more to say to anyone.
+        Err(e) if is_broken_pipe(&e) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// Whether `e` is (or was caused by) a write to a closed pipe.
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }

@@ -10,20 +10,20 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use calla_chat::template::DEFAULT_RENDER_FUEL;
-use calla_model::load::{load_model_with, FileStamp, LoadOptions, Quant, Residency};
+use calla_model::load::{load_model_with, FileStamp, LoadOptions, Residency};
 use calla_server::{
     load_in_background, load_outcome, start_runtime, AppState, RuntimeOptions, ServerConfig,
 };
 
-use crate::device::{open_backend, CudaFlags, Device};
+use crate::args::Device;
+use crate::args::{CacheArgs, DeviceArgs, ModelArgs, SamplingArgs};
+use crate::device::{open_backend, resolve};
 use crate::limits::{self, ServeLimits};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Checkpoint directory (Hugging Face or MLX layout). Without it: the bundled tiny demo
-    /// checkpoint, whose random weights write meaningless text.
-    #[arg(long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Address to listen on (loopback unless told otherwise).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -35,34 +35,30 @@ pub struct Args {
     /// The model name clients send (default: the checkpoint directory's name).
     #[arg(long)]
     served_model_name: Option<String>,
-    #[arg(long, value_enum, default_value = "cpu")]
-    device: Device,
     #[command(flatten)]
-    cuda: CudaFlags,
-    /// Convert weights at load (q4, q8, bf16, f32); default: keep the stored formats.
-    #[arg(long)]
-    quant: Option<Quant>,
+    device: DeviceArgs,
+    /// Sampling defaults for requests that do not set them (over generation_config.json).
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    #[command(flatten)]
+    cache: CacheArgs,
     /// Requests that may wait for the engine; more get 429.
     #[arg(long, default_value = "64", value_parser = limits::queue_len)]
     max_queue: usize,
-    /// Longest prompt + output in tokens (default and maximum: the model's context).
-    #[arg(long, value_parser = limits::context_len)]
-    max_context: Option<usize>,
-    /// Memory for saved prompt states (prefix cache), in MiB; 0 disables it.
-    #[arg(long, default_value = "4096", value_parser = limits::cache_mib)]
-    prefix_cache_mb: usize,
     /// Largest request body, in MiB.
     #[arg(long, default_value = "16", value_parser = limits::request_mib)]
     max_body_mb: usize,
     /// Also log each request's prompt and output text.
     #[arg(long)]
     log_text: bool,
+    /// Timeouts, connection cap, prompt size, --cors-origin, --no-mmap (limits.rs).
     #[command(flatten)]
     limits: ServeLimits,
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let (dir, demo) = match &args.model {
+    args.sampling.check()?;
+    let (dir, demo) = match &args.model.model {
         Some(dir) => (dir.clone(), false),
         None => (demo_checkpoint()?, true),
     };
@@ -120,18 +116,18 @@ pub fn run(args: Args) -> Result<()> {
         // Load in the background; a load failure (error or panic) stops the server, non-zero.
         let options = RuntimeOptions {
             max_queue: args.max_queue,
-            max_context: args.max_context,
-            prefix_cache_bytes: args.prefix_cache_mb << 20,
+            max_context: args.cache.max_context,
+            prefix_cache_bytes: args.cache.prefix_cache_bytes(),
         };
+        let (model, device, sampling) = (args.model.clone(), args.device, args.sampling);
         let max_prompt_bytes = state.config.max_prompt_bytes;
-        let (device, quant, cuda) = (args.device, args.quant, args.cuda);
         let residency = if args.limits.no_mmap {
             Residency::Read
         } else {
             Residency::Mapped
         };
         let loaded = load_in_background(Arc::clone(&state), move || {
-            let mut runtime = load(&dir, device, quant, &cuda, &options, residency)?;
+            let mut runtime = load(&dir, &model, &device, &sampling, options, residency)?;
             if let Some(template) = &mut runtime.template {
                 // A render writes at most what a prompt may hold.
                 template.set_limits(DEFAULT_RENDER_FUEL, max_prompt_bytes);
@@ -175,28 +171,29 @@ pub fn run(args: Args) -> Result<()> {
 
 fn load(
     dir: &Path,
-    device: Device,
-    quant: Option<Quant>,
-    cuda: &CudaFlags,
-    options: &RuntimeOptions,
+    model: &ModelArgs,
+    device: &DeviceArgs,
+    sampling: &SamplingArgs,
+    mut options: RuntimeOptions,
     residency: Residency,
 ) -> Result<calla_server::Runtime> {
-    let loaded = load_model_with(dir, &LoadOptions { quant }, residency)?;
-    let backend = open_backend(&loaded, device, cuda)?;
-    let generation = loaded.generation.clone();
+    let loaded = load_model_with(dir, &LoadOptions { quant: model.quant }, residency)?;
+    let defaults = sampling.over(loaded.generation.clone())?;
+    let opened = open_backend(&loaded, device, options.max_context)?;
+    options.max_context = opened.capacity;
     let mapped = loaded.mapped.clone();
     // The CUDA engine copies every weight to the device and keeps no view of the host bytes:
     // dropping the loaded weights here unmaps the checkpoint, so later changes to it are harmless.
     // The CPU engine reads the map while serving: watch it.
     drop(loaded);
-    match device {
+    match resolve(device.device) {
         Device::Cuda => {
             tracing::info!("weights uploaded; the checkpoint files are no longer mapped")
         }
-        Device::Cpu if !mapped.is_empty() => watch_mapped_files(mapped),
-        Device::Cpu => {}
+        _ if !mapped.is_empty() => watch_mapped_files(mapped),
+        _ => {}
     }
-    start_runtime(dir, backend, generation, options)
+    start_runtime(dir, opened.backend, defaults, &options)
 }
 
 /// Log (once per file) when a memory-mapped checkpoint file changes under the running server: its

@@ -1,8 +1,8 @@
 //! `CpuBackend`: the reference engine behind the `calla_engine::Backend` trait.
 
 use anyhow::{ensure, Context, Result};
-use calla_engine::sampling::select_token;
-use calla_engine::{Backend, Selection, Sequence, TokenChoice};
+use calla_engine::sampling::{select_token, select_token_masked};
+use calla_engine::{Backend, Selection, Sequence, TokenChoice, TokenMask};
 use calla_model::{ModelSpec, Weights};
 
 use crate::forward::{Logits, Model};
@@ -88,6 +88,20 @@ impl Backend for CpuBackend {
     ) -> Result<TokenChoice> {
         let logits = self.run(seq, tokens, Logits::Last)?;
         Ok(select_token(&logits, sel))
+    }
+    /// The CPU chooses on the host anyway: the mask applies inside its selection.
+    fn supports_token_mask(&self) -> bool {
+        true
+    }
+    fn step_masked(
+        &mut self,
+        seq: &mut dyn Sequence,
+        tokens: &[u32],
+        sel: &Selection,
+        allowed: &TokenMask,
+    ) -> Result<TokenChoice> {
+        let logits = self.run(seq, tokens, Logits::Last)?;
+        select_token_masked(&logits, sel, Some(allowed))
     }
     fn forward_logits(&mut self, seq: &mut dyn Sequence, tokens: &[u32]) -> Result<Vec<f32>> {
         self.run(seq, tokens, Logits::Last)

@@ -89,6 +89,8 @@ pub struct BenchOptions {
     /// CudaOptions::prompt_precision (per product group: prompt_precision.rs) and prompt_chunk.
     pub prompt_precision: crate::PromptPrecision,
     pub prompt_chunk: usize,
+    /// CudaOptions::kernels (KernelChoices::shared_gpu() on a GPU shared through MPS).
+    pub kernels: crate::KernelChoices,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -415,6 +417,7 @@ pub fn run(model: BenchModel, opts: &BenchOptions, progress: &dyn Progress) -> R
         kv_cache: opts.kv_cache,
         prompt_precision: opts.prompt_precision,
         prompt_chunk: opts.prompt_chunk,
+        kernels: opts.kernels,
         ..Default::default()
     };
     let mut be = CudaBackend::from_device_model(gpu.clone(), spec, dev_model, arena, &copts)?;
@@ -640,6 +643,7 @@ mod tests {
             sampling: SamplingParams::greedy(),
             prompt_precision: crate::PromptPrecision::AUTO,
             prompt_chunk: 8192,
+            kernels: crate::KernelChoices::default(),
         };
         assert_eq!(context_capacity(&opts), 131072 + 64 + 8 + 8);
         let prompt_longer = BenchOptions {

@@ -23,8 +23,3 @@ pub use engine::backend::{CudaBackend, CudaLoadReport, CudaOptions};
 pub use ops::attention::KvDtype;
 pub use ops::prompt_precision::PromptPrecision;
 pub use runtime::choices::{DotEngine, KernelChoices, RouterPlacement};
-
-// The paths the CLI used before the folders (calla-cli moves to the new ones with its next change).
-pub use engine::backend;
-pub use ops::{gemm, prompt_precision, weights};
-pub use runtime::probe;

@@ -20,3 +20,6 @@ mod engine;
 
 #[path = "gpu/pipeline.rs"]
 mod pipeline;
+
+#[path = "gpu/dn_general.rs"]
+mod dn_general;

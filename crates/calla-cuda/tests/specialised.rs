@@ -7,8 +7,8 @@
 
 use calla_cuda::ops::matvec::HeadNorm;
 use calla_cuda::ops::moe::{RouteParams, RouteTail};
-use calla_cuda::runtime::kernels::{KernelSource, ATTENTION, DELTANET, MATVEC_TC};
 use calla_cuda::ops::{attention, deltanet, matvec, moe};
+use calla_cuda::runtime::kernels::{KernelSource, ATTENTION, DELTANET, MATVEC_TC, MOE_TC};
 use calla_model::synthetic::preset;
 
 /// Whether `src` defines `extern "C" __global__ … name(`.
@@ -74,11 +74,11 @@ fn the_real_model_gets_the_compiled_copies_and_they_exist() {
         ),
         (&DELTANET, deltanet::parts_kernel(true, &spec)),
         (
-            &MATVEC_TC,
+            &MOE_TC,
             moe::gate_up_kernel(true, 2048, 512, 512, 8, Some(&route(256, 8))),
         ),
         (
-            &MATVEC_TC,
+            &MOE_TC,
             moe::down_kernel(true, 2048, 8, Some(512), Some(512)).to_string(),
         ),
         (
@@ -118,10 +118,7 @@ fn the_real_model_gets_the_compiled_copies_and_they_exist() {
         assert!(defines(src, name), "{} defines no kernel {name}", src.file);
     }
     // the check finds definitions, not mentions: these names occur in comments or not at all
-    assert!(!defines(
-        &MATVEC_TC,
-        "matvec_tc_gate_up_q4_c2_e256_a8_i1024"
-    ));
+    assert!(!defines(&MOE_TC, "matvec_tc_gate_up_q4_c2_e256_a8_i1024"));
     assert!(!defines(&MATVEC_TC, "tc_body"));
 }
 

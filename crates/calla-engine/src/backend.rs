@@ -7,6 +7,7 @@ use std::any::Any;
 
 use calla_model::ModelSpec;
 
+use crate::constraint::TokenMask;
 use crate::sampling::SamplingParams;
 
 /// A sequence's state inside a backend: KV cache of attention layers, conv + recurrent state of DeltaNet
@@ -83,7 +84,26 @@ pub trait Backend: Send {
         let _ = continue_after;
         self.step(seq, tokens, sel)
     }
-    /// Run `tokens` and return the raw f32 logits of the last position. For parity tests and tools.
+    /// Whether `step_masked` applies the mask where this backend chooses its token. When false,
+    /// the generation loop runs constrained steps as `forward_logits` + the reference sampler on
+    /// the host (`sampling::select_token_masked`).
+    fn supports_token_mask(&self) -> bool {
+        false
+    }
+    /// `step`, choosing only among the tokens `allowed` (see `constraint.rs` for where the mask
+    /// applies). Never runs ahead. The default selects on the host from `forward_logits`.
+    fn step_masked(
+        &mut self,
+        seq: &mut dyn Sequence,
+        tokens: &[u32],
+        sel: &Selection,
+        allowed: &TokenMask,
+    ) -> anyhow::Result<TokenChoice> {
+        let logits = self.forward_logits(seq, tokens)?;
+        crate::sampling::select_token_masked(&logits, sel, Some(allowed))
+    }
+    /// Run `tokens` and return the raw f32 logits of the last position. For parity tests, tools and
+    /// host-side constrained selection.
     fn forward_logits(
         &mut self,
         seq: &mut dyn Sequence,

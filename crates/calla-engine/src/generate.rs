@@ -16,6 +16,8 @@ use std::time::Instant;
 use anyhow::{ensure, Result};
 
 use crate::backend::{Backend, Selection, Sequence, TokenChoice};
+use crate::constraint::TokenConstraint;
+use crate::sampling::select_token_masked;
 use crate::sampling::SamplingParams;
 
 #[derive(Debug, Clone)]
@@ -104,6 +106,20 @@ pub fn generate_on(
     seq: &mut dyn Sequence,
     req: &GenerateRequest,
     started: Instant,
+    on_token: impl FnMut(&TokenChoice) -> ControlFlow<()>,
+) -> Result<GenerateOutput> {
+    generate_constrained_on(backend, seq, req, None, started, on_token)
+}
+
+/// `generate_on` under a token constraint (a grammar): each step chooses among the tokens the
+/// constraint allows (constraint.rs), one step at a time, and generation ends with `Stop` when the
+/// constraint is finished. Without a constraint this is `generate_on`.
+pub fn generate_constrained_on(
+    backend: &mut dyn Backend,
+    seq: &mut dyn Sequence,
+    req: &GenerateRequest,
+    mut constraint: Option<&mut dyn TokenConstraint>,
+    started: Instant,
     mut on_token: impl FnMut(&TokenChoice) -> ControlFlow<()>,
 ) -> Result<GenerateOutput> {
     ensure!(
@@ -128,7 +144,20 @@ pub fn generate_on(
         };
         // Two steps in flight where the backend can: the next step may start before this token
         // is seen here (a stop ends the request with that step's state thrown away with it).
-        let choice = backend.step_pipelined(seq, &input, &sel, step + 1 < req.max_tokens)?;
+        let choice = match constraint.as_deref_mut() {
+            None => backend.step_pipelined(seq, &input, &sel, step + 1 < req.max_tokens)?,
+            Some(constraint) => {
+                let allowed = constraint.allowed(backend.spec().vocab_size)?;
+                let choice = if backend.supports_token_mask() {
+                    backend.step_masked(seq, &input, &sel, &allowed)?
+                } else {
+                    let logits = backend.forward_logits(seq, &input)?;
+                    select_token_masked(&logits, &sel, Some(&allowed))?
+                };
+                constraint.accept(choice.token)?;
+                choice
+            }
+        };
         if step == 0 {
             out.timings.prefill_s = started.elapsed().as_secs_f64();
         }
@@ -141,7 +170,8 @@ pub fn generate_on(
         let flow = on_token(&choice);
         input = vec![choice.token];
         out.choices.push(choice);
-        if flow.is_break() {
+        let finished = constraint.as_deref().is_some_and(|c| c.is_finished());
+        if flow.is_break() || finished {
             out.finish_reason = FinishReason::Stop;
             break;
         }
@@ -416,6 +446,63 @@ mod tests {
             vec![(vec![6], true), (vec![7], true), (vec![8], true)]
         );
         assert_eq!(seq.len(), 1 + 3);
+    }
+
+    /// Allows only even ids below 8, then only EOS (9) once three tokens were taken.
+    struct EvenThenEos {
+        taken: Vec<u32>,
+    }
+    impl TokenConstraint for EvenThenEos {
+        fn allowed(&mut self, vocab_size: usize) -> Result<crate::TokenMask> {
+            let mut mask = crate::TokenMask::none(vocab_size);
+            if self.taken.len() < 3 {
+                (0..8).step_by(2).for_each(|id| mask.allow(id));
+            } else {
+                mask.allow(9);
+            }
+            Ok(mask)
+        }
+        fn accept(&mut self, token: u32) -> Result<()> {
+            self.taken.push(token);
+            Ok(())
+        }
+        fn is_finished(&self) -> bool {
+            false
+        }
+    }
+
+    #[test]
+    fn a_constraint_masks_every_step_on_the_host_and_never_runs_ahead() {
+        let mut b = Ahead {
+            inner: counter(),
+            calls: vec![],
+            pending: None,
+        };
+        let mut constraint = EvenThenEos { taken: vec![] };
+        let mut seq = b.new_sequence().unwrap();
+        let out = generate_constrained_on(
+            &mut b,
+            seq.as_mut(),
+            &request(vec![3], 10),
+            Some(&mut constraint),
+            Instant::now(),
+            |_| ControlFlow::Continue(()),
+        )
+        .unwrap();
+        // unconstrained greedy would say 4, 5, 6…; the best allowed (the logits fall with the id
+        // away from the favourite) are even ids, then EOS
+        assert!(
+            out.tokens.iter().all(|t| t % 2 == 0 && *t < 8),
+            "{:?}",
+            out.tokens
+        );
+        assert_eq!(out.tokens.len(), 3);
+        assert_eq!(out.stop_token.as_ref().unwrap().token, 9);
+        assert_eq!(constraint.taken.len(), 4);
+        // all through forward_logits: nothing stepped ahead
+        assert!(b.calls.is_empty() && b.pending.is_none());
+        // the raw log-probability is reported, not the masked one
+        assert!(out.choices[0].logprob < 0.0);
     }
 
     #[test]

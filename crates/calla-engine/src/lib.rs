@@ -2,10 +2,12 @@
 //! ([`SamplingParams`]), and the generation loop built on them.
 
 pub mod backend;
+pub mod constraint;
 pub mod generate;
 pub mod prefix_cache;
 pub mod sampling;
 pub mod scheduler;
 
 pub use backend::{Backend, Selection, Sequence, TokenChoice};
+pub use constraint::{TokenConstraint, TokenMask};
 pub use sampling::SamplingParams;

@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{Selection, TokenChoice};
+use crate::constraint::TokenMask;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
@@ -201,9 +202,33 @@ pub fn adjusted_logits(logits: &[f32], sel: &Selection) -> Vec<f32> {
 ///
 /// The sums are a pairwise tree over the id space, not a running sum in id order: the same f32
 /// values on every backend (exact zeros for the ids not kept change nothing), and a GPU computes them
-/// in parallel, where a sequential sum over 248K ids cost it ~28 ms per token (docs/performance.md,
-/// session 14).
+/// in parallel, where a sequential sum over 248K ids cost it ~28 ms per token (docs/experiments.md,
+/// "Token selection and sampling").
 pub fn select_token(logits: &[f32], sel: &Selection) -> TokenChoice {
+    select_with_mask(logits, sel, None)
+}
+
+/// `select_token` among the tokens `allowed` only: disallowed tokens get −∞ after the adjustments
+/// (logit_bias, penalties), before temperature, truncation and the draw. Log-probabilities stay
+/// those of the raw logits. An error when the mask leaves no token with a finite logit.
+pub fn select_token_masked(
+    logits: &[f32],
+    sel: &Selection,
+    allowed: Option<&TokenMask>,
+) -> anyhow::Result<TokenChoice> {
+    let choice = select_with_mask(logits, sel, allowed);
+    if let Some(mask) = allowed {
+        anyhow::ensure!(
+            mask.allows(choice.token),
+            "the constraint allows no token with a finite logit ({} allowed of {})",
+            mask.count(),
+            logits.len()
+        );
+    }
+    Ok(choice)
+}
+
+fn select_with_mask(logits: &[f32], sel: &Selection, allowed: Option<&TokenMask>) -> TokenChoice {
     let p = sel.params;
     let lse = log_sum_exp(logits);
     let logprob = |id: u32| sanitise(logits[id as usize]) - lse;
@@ -212,7 +237,10 @@ pub fn select_token(logits: &[f32], sel: &Selection) -> TokenChoice {
         .map(|id| (id, logprob(id)))
         .collect();
 
-    let z = adjusted_logits(logits, sel);
+    let mut z = adjusted_logits(logits, sel);
+    if let Some(mask) = allowed {
+        mask.apply(&mut z);
+    }
     let token = if p.is_greedy() {
         argmax(&z) as u32
     } else {

@@ -25,7 +25,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, Selection, Sequence, TokenChoice};
-use crate::generate::{generate_on, FinishReason, GenerateRequest};
+use crate::constraint::TokenConstraint;
+use crate::generate::{generate_constrained_on, FinishReason, GenerateRequest};
 use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
 use crate::sampling::SamplingParams;
 
@@ -52,6 +53,8 @@ pub struct Job {
     /// last token (which is always saved). A chat server passes the end of the conversation before
     /// the generation prompt: the next turn renders that same text, then diverges.
     pub save_prefixes: Vec<usize>,
+    /// Grammar-constrained decoding (structured output, forced tool calls); None: unconstrained.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
     pub sink: Box<dyn JobSink>,
 }
 
@@ -138,6 +141,8 @@ pub struct Scheduler {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
     describe: String,
+    vocab_size: usize,
+    eos_token_ids: Vec<u32>,
 }
 
 impl Scheduler {
@@ -154,6 +159,8 @@ impl Scheduler {
             max_queue: config.max_queue,
         });
         let describe = backend.describe();
+        let vocab_size = backend.spec().vocab_size;
+        let eos_token_ids = backend.spec().eos_token_ids.clone();
         let engine_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("calla-engine".into())
@@ -163,7 +170,19 @@ impl Scheduler {
             shared,
             thread: Some(thread),
             describe,
+            vocab_size,
+            eos_token_ids,
         }
+    }
+
+    /// The model's vocabulary (its embedding rows: may exceed the tokenizer's, padding rows).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The model's end-of-sequence ids.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
     }
 
     /// The backend's description ("cpu", "cuda:0 (…)").
@@ -403,13 +422,23 @@ fn run_job(
     }
     // The sink may stop generation after any token; a client that went away is checked there too, so
     // a cancelled request stops within one decode step.
-    let out = generate_on(backend, seq.as_mut(), &req, started, |choice| {
-        if job.sink.on_token(choice).is_break() || cancelled(job) {
-            ControlFlow::Break(())
-        } else {
-            ControlFlow::Continue(())
-        }
-    })?;
+    let mut constraint = job.constraint.take();
+    let out = generate_constrained_on(
+        backend,
+        seq.as_mut(),
+        &req,
+        constraint
+            .as_deref_mut()
+            .map(|c| c as &mut dyn TokenConstraint),
+        started,
+        |choice| {
+            if job.sink.on_token(choice).is_break() || cancelled(job) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        },
+    )?;
     report.finish = match out.finish_reason {
         FinishReason::Length => JobFinish::Length,
         FinishReason::Stop if out.stop_token.is_none() && cancelled(job) => JobFinish::Cancelled,

@@ -1,6 +1,6 @@
 //! config.json → [`ModelSpec`].
 //!
-//! Accepted shapes (model.md §1):
+//! Accepted shapes (the published Qwen3.5/3.6 and Qwen3-Next config.json files):
 //! - VL wrapper: `model_type` `qwen3_5_moe` / `qwen3_5`, hyperparameters under `text_config`;
 //! - flat text configs: `qwen3_5_moe_text`, `qwen3_5_text` (what `save_pretrained` of a CausalLM writes);
 //! - `qwen3_next` (flat).
@@ -8,7 +8,7 @@
 //! The serde structs mirror the JSON names; a missing key takes the default of the transformers class
 //! for that model type (`configuration_qwen3_5_moe.py`, `configuration_qwen3_5.py`,
 //! `configuration_qwen3_next.py`). The stop list and the MLX `quantization` block are read from the
-//! TOP level even when the hyperparameters sit under `text_config` (model.md §1.6, §7.1).
+//! TOP level even when the hyperparameters sit under `text_config` (as mlx-lm writes it).
 //! Every validation error names the field (a JSON path) and the value found.
 
 use serde::Deserialize;

@@ -4,7 +4,7 @@
 use super::*;
 use serde_json::json;
 
-/// The Qwen3.6-35B-A3B MLX wrapper config (model.md §1.2, §1.6), trimmed to the keys a parser reads.
+/// The Qwen3.6-35B-A3B MLX wrapper config (mlx-community/Qwen3.6-35B-A3B-4bit's config.json), trimmed to the keys a parser reads.
 fn qwen36_wrapper() -> serde_json::Value {
     let layer_types: Vec<&str> = (0..40)
         .map(|i| {

@@ -196,7 +196,7 @@ pub fn load_model_with(
         source,
     })?;
     let generation = read_generation_defaults(dir)?;
-    // generation_config.json's stop list wins over config.json's (model.md §1.7).
+    // generation_config.json's stop list wins over config.json's (as transformers' generate does).
     if let Some(eos) = &generation.eos_token_id {
         let ids = eos.to_vec();
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= spec.vocab_size) {

@@ -73,7 +73,7 @@ fn mlx_rule_constant_and_zero_groups_are_exact() {
     assert_eq!(biases, vec![0.0]);
 }
 
-/// model.md §3.5's worked check from the real checkpoint: word 0xEEDEFCEE holds the nibbles
+/// A worked check from the real MLX 4-bit checkpoint: word 0xEEDEFCEE holds the nibbles
 /// [14, 14, 12, 15, 14, 13, 14, 14], low nibble first.
 #[test]
 fn packing_is_low_nibble_first() {

@@ -38,7 +38,7 @@ fn hybrid_layers(groups: usize) -> Vec<LayerKind> {
         .collect()
 }
 
-/// A spec by name: `qwen3.6-35b-a3b` (the real dims, model.md §1.2), `cpu-mid` (a mid-size model for
+/// A spec by name: `qwen3.6-35b-a3b` (the real dims, Qwen/Qwen3.6-35B-A3B's text_config), `cpu-mid` (a mid-size model for
 /// CPU benchmarks), `tiny` (the fixtures' dims).
 pub fn preset(name: &str) -> Option<ModelSpec> {
     let moe = |num_experts, top_k, expert_intermediate, shared_intermediate| FeedForwardSpec::Moe {
@@ -499,7 +499,7 @@ mod tests {
         assert!(a.final_norm.iter().all(|x| x.abs() < 0.3));
     }
 
-    /// The real model's sizes from shapes alone (model.md §1.9): ≈ 35B parameters, ≈ 19.5 GB at
+    /// The real model's sizes from shapes alone: ≈ 35B parameters, ≈ 19.5 GB at
     /// MLX 4-bit, ≈ 1.65 GB of weights read per decoded token.
     #[test]
     fn full_size_byte_counts_match_the_reference() {

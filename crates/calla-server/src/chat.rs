@@ -3,8 +3,9 @@
 //! messages → `prepare_messages` → the checkpoint's template (tools, chat_template_kwargs) → ids →
 //! engine; generated text → reasoning / content / tool calls (calla-chat's parsers) → one JSON reply
 //! or SSE chunks. Tool choice: "none" renders no tools and parses none; "auto" renders and parses;
-//! "required" and a named function also start the reply with the call's opening tags (there is no
-//! constrained decoding, so the rest is up to the model), closing an open think block first.
+//! "required" and a named function constrain the reply to calls of the declared tools (structured.rs),
+//! as `response_format` constrains it to JSON. Calls to undeclared tools are dropped, and with
+//! `parallel_tool_calls: false` every call after the first (tool_filter.rs).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,16 +16,20 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json as JsonBody;
 use calla_chat::{prepare_messages, prompt_opens_thinking, OutputConfig, RenderInput};
+use calla_engine::TokenConstraint;
 use serde::Deserialize;
 use serde_json::{Map, Value as Json};
 
 use crate::chat_reply::ChatReply;
 use crate::errors::ApiError;
-use crate::generation::{submit, Events, RequestLog, Work};
+use crate::generation::{submit_constrained, Events, RequestLog, Work};
 use crate::params::{from_body, GenParams, SamplingFields};
 use crate::request::{check_model, check_prompt_bytes, parse_body, text_bytes};
 use crate::sse;
 use crate::state::{AppState, Runtime};
+use crate::structured::{response_format, thinking_requested, OutputGrammar};
+use crate::tool_filter::ToolFilter;
+use crate::unknown::{warn_unknown_fields, CHAT_FIELDS};
 
 #[derive(Debug, Deserialize)]
 struct ChatFields {
@@ -34,6 +39,8 @@ struct ChatFields {
     logprobs: Option<bool>,
     top_logprobs: Option<i64>,
     chat_template_kwargs: Option<Map<String, Json>>,
+    response_format: Option<Json>,
+    parallel_tool_calls: Option<bool>,
 }
 
 /// What `tool_choice` asks for.
@@ -113,11 +120,16 @@ pub(crate) struct Prepared {
     pub(crate) prompt: ChatPrompt,
     pub(crate) top_logprobs: Option<usize>,
     pub(crate) max_tokens: usize,
+    /// One per choice when the reply is constrained (structured.rs), else empty.
+    pub(crate) constraints: Vec<Box<dyn TokenConstraint>>,
+    /// Which parsed tool calls reach the client.
+    pub(crate) tools: ToolFilter,
 }
 
 fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
     let runtime = state.runtime()?;
     let body = parse_body(body)?;
+    warn_unknown_fields(&body, CHAT_FIELDS, "/v1/chat/completions");
     let common: SamplingFields = from_body(&body)?;
     let fields: ChatFields = from_body(&body)?;
     check_prompt_bytes(
@@ -150,13 +162,32 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
         }
     };
     let (choice, tools) = tool_choice(&fields)?;
-    let prompt = chat_prompt(
+    let parallel = fields.parallel_tool_calls.unwrap_or(true);
+    let format = response_format(fields.response_format.as_ref(), "response_format")?;
+    let (grammar, param) = match forced_tools(&choice, &tools, parallel) {
+        Some(g) => (Some(g), "tool_choice"),
+        None => (format, "response_format"),
+    };
+    // Thinking asked for explicitly: reason first, constrain after (structured.rs).
+    let thinks = thinking_requested(fields.chat_template_kwargs.as_ref());
+    let prompt = chat_prompt_constrained(
         &runtime,
         &fields.messages,
         &tools,
         &choice,
         fields.chat_template_kwargs.as_ref(),
+        grammar.is_some() && !thinks,
     )?;
+    let constraints = match &grammar {
+        Some(g) => state.grammars.constraints(
+            &runtime,
+            g,
+            prompt.output.starts_in_reasoning,
+            params.n,
+            param,
+        )?,
+        None => Vec::new(),
+    };
     let room = runtime.max_context - prompt.ids.len();
     let max_tokens = params.max_tokens.unwrap_or(room).min(room);
     Ok(Prepared {
@@ -164,7 +195,23 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
         prompt,
         top_logprobs,
         max_tokens,
+        constraints,
+        tools: ToolFilter::new(&tools, parallel),
     })
+}
+
+/// `tool_choice` required or named → the grammar of the calls it allows.
+pub fn forced_tools(choice: &ToolChoice, tools: &[Json], parallel: bool) -> Option<OutputGrammar> {
+    let tools = match choice {
+        ToolChoice::Required => tools.to_vec(),
+        ToolChoice::Function(name) => tools
+            .iter()
+            .filter(|t| t["function"]["name"].as_str() == Some(name))
+            .cloned()
+            .collect(),
+        ToolChoice::None | ToolChoice::Auto => return None,
+    };
+    Some(OutputGrammar::ToolCalls { tools, parallel })
 }
 
 /// A conversation rendered and encoded for the engine.
@@ -189,6 +236,19 @@ pub fn chat_prompt(
     choice: &ToolChoice,
     kwargs: Option<&Map<String, Json>>,
 ) -> Result<ChatPrompt, ApiError> {
+    let constrained = matches!(choice, ToolChoice::Required | ToolChoice::Function(_));
+    chat_prompt_constrained(runtime, messages, tools, choice, kwargs, constrained)
+}
+
+/// `chat_prompt` for a reply under a grammar (`constrained`: an open think block is closed first).
+pub fn chat_prompt_constrained(
+    runtime: &Runtime,
+    messages: &[Json],
+    tools: &[Json],
+    choice: &ToolChoice,
+    kwargs: Option<&Map<String, Json>>,
+    constrained: bool,
+) -> Result<ChatPrompt, ApiError> {
     let messages =
         prepare_messages(messages).map_err(|e| ApiError::bad_param(e.param, e.message))?;
     let template = runtime.template.as_ref().ok_or_else(|| {
@@ -210,17 +270,13 @@ pub fn chat_prompt(
             "The chat template rendered an empty prompt for these messages.",
         ));
     }
-    let forced = match choice {
-        ToolChoice::Required => "<tool_call>\n<function=".to_string(),
-        ToolChoice::Function(name) => format!("<tool_call>\n<function={name}>\n"),
-        _ => String::new(),
-    };
-    if !forced.is_empty() && prompt_opens_thinking(&text) {
-        // The call comes first: close the think block the generation prompt opened, as the template
-        // renders an empty one.
+    // Forced tool calls are a grammar now (structured.rs); nothing is forced into the prompt.
+    let forced = String::new();
+    if constrained && prompt_opens_thinking(&text) {
+        // The constrained reply comes first: close the think block the generation prompt opened,
+        // as the template renders an empty one.
         text.push_str("\n</think>\n\n");
     }
-    text.push_str(&forced);
     let ids = runtime.codec.encode(&text).map_err(ApiError::internal)?;
     if ids.len() >= runtime.max_context {
         return Err(ApiError::context_length(
@@ -256,7 +312,7 @@ pub async fn chat_completions(
 ) -> Response {
     let arrival = Instant::now();
     let id = state.new_id("chatcmpl-");
-    let prepared = match state
+    let mut prepared = match state
         .prepare({
             let state = Arc::clone(&state);
             move || prepare(&state, body)
@@ -273,6 +329,7 @@ pub async fn chat_completions(
         return ApiError::loading().into_response();
     };
     let n = prepared.params.n;
+    let constraints = std::mem::take(&mut prepared.constraints);
     let work = (0..n)
         .map(|choice| Work {
             choice,
@@ -280,10 +337,11 @@ pub async fn chat_completions(
             save_prefixes: prepared.prompt.history_tokens.into_iter().collect(),
         })
         .collect();
-    let events = match submit(
+    let events = match submit_constrained(
         &state,
         &runtime,
         work,
+        constraints,
         &prepared.params,
         prepared.max_tokens,
         prepared.top_logprobs,

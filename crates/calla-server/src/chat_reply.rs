@@ -12,6 +12,7 @@ use crate::generation::{GenEvent, RequestLog, TokenLogprob};
 use crate::request::Usage;
 use crate::sse::{Flow, Reply};
 use crate::state::{unix_now, AppState};
+use crate::tool_filter::{ToolCalls, ToolFilter};
 
 struct ChatChoice {
     parser: OutputParser,
@@ -23,6 +24,8 @@ struct ChatChoice {
     finish_reason: Option<&'static str>,
     /// The forced tool-call opening's events, sent first when streaming.
     opening: Vec<OutputEvent>,
+    /// The tool calls that reach the client (tool_filter.rs).
+    calls: ToolCalls,
 }
 
 pub(crate) struct ChatReply {
@@ -35,6 +38,7 @@ pub(crate) struct ChatReply {
     include_usage: bool,
     with_logprobs: bool,
     choices: Vec<ChatChoice>,
+    tools: ToolFilter,
     usage: Usage,
     log: RequestLog,
 }
@@ -64,6 +68,7 @@ impl ChatReply {
                 logprobs: Vec::new(),
                 finish_reason: None,
                 opening: Vec::new(),
+                calls: ToolCalls::default(),
             };
             // The forced opening is part of the reply although the model did not generate it.
             let opening = choice.parser.push(&prepared.prompt.forced);
@@ -82,6 +87,7 @@ impl ChatReply {
             include_usage: prepared.params.include_usage,
             with_logprobs: prepared.top_logprobs.is_some(),
             choices,
+            tools: prepared.tools.clone(),
             usage: Usage::new(prepared.prompt.ids.len()),
             log,
         }
@@ -282,6 +288,7 @@ impl Reply for ChatReply {
                 let choice = &mut self.choices[index];
                 choice.logprobs.extend(logprob);
                 let events = choice.parser.push(&text);
+                let events = self.tools.filter(&mut choice.calls, events);
                 for event in &events {
                     self.choices[index].absorb(&self.state, event);
                 }
@@ -291,14 +298,16 @@ impl Reply for ChatReply {
                 Flow::Failed(ApiError::internal(format!("generation failed: {e}")))
             }
             GenEvent::Finished(Ok(finished)) => {
-                let events = self.choices[index].parser.finish();
+                let choice = &mut self.choices[index];
+                let events = choice.parser.finish();
+                let events = self.tools.filter(&mut choice.calls, events);
                 for event in &events {
                     self.choices[index].absorb(&self.state, event);
                 }
                 let mut chunks = self.delta_chunks(index, &events);
                 let choice = &mut self.choices[index];
                 let reason = match finished.finish_reason() {
-                    "stop" if choice.parser.tool_calls() > 0 => "tool_calls",
+                    "stop" if choice.calls.kept() > 0 => "tool_calls",
                     reason => reason,
                 };
                 choice.finish_reason = Some(reason);

@@ -14,6 +14,11 @@ pub trait TextCodec: Send + Sync {
     fn token_text(&self, id: u32) -> String;
     /// Ids are below this.
     fn vocab_size(&self) -> usize;
+    /// Every token's bytes, for constrained decoding (structured.rs: special tokens as 0xFF + their
+    /// name). None: this codec cannot be constrained.
+    fn vocab_bytes(&self) -> Option<Vec<Vec<u8>>> {
+        None
+    }
 }
 
 pub struct IncrementalText {
@@ -87,6 +92,9 @@ impl TextCodec for calla_model::tokenizer::Tokenizer {
     }
     fn vocab_size(&self) -> usize {
         calla_model::tokenizer::Tokenizer::vocab_size(self)
+    }
+    fn vocab_bytes(&self) -> Option<Vec<Vec<u8>>> {
+        Some(crate::structured::tokenizer_vocab_bytes(self))
     }
 }
 

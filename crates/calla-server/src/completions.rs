@@ -12,12 +12,14 @@ use axum::Json as JsonBody;
 use serde::Deserialize;
 use serde_json::{json, Map, Value as Json};
 
+use crate::codec::{IncrementalText, TextCodec};
 use crate::errors::ApiError;
 use crate::generation::{submit, GenEvent, RequestLog, TokenLogprob, Work};
 use crate::params::{from_body, GenParams, SamplingFields};
 use crate::request::{check_model, check_prompt_bytes, parse_body, text_bytes, Usage};
 use crate::sse::{self, Flow, Reply};
 use crate::state::{unix_now, AppState};
+use crate::unknown::{warn_unknown_fields, COMPLETION_FIELDS};
 
 pub const DEFAULT_MAX_TOKENS: usize = 16;
 
@@ -32,6 +34,8 @@ struct Prepared {
     params: GenParams,
     /// (text, ids) of each prompt.
     prompts: Vec<(String, Vec<u32>)>,
+    /// With echo and logprobs: each prompt's tokens (their log-probabilities are not computed).
+    prompt_logprobs: Vec<Vec<LegacyToken>>,
     max_tokens: usize,
     logprobs: Option<usize>,
     echo: bool,
@@ -82,6 +86,7 @@ fn prompt_ids(
 fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
     let runtime = state.runtime()?;
     let body = parse_body(body)?;
+    warn_unknown_fields(&body, COMPLETION_FIELDS, "/v1/completions");
     let common: SamplingFields = from_body(&body)?;
     let fields: CompletionFields = from_body(&body)?;
     check_model(state, common.model.as_deref())?;
@@ -102,7 +107,12 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
     )?;
     let codec = Arc::clone(&runtime.codec);
     let encode = move |text: &str| codec.encode(text);
-    let ids = prompt_ids(prompt, &encode, runtime.codec.vocab_size())?;
+    // Ids up to the model's vocabulary: its embedding may have padding rows past the tokenizer's.
+    let vocab = runtime
+        .scheduler
+        .vocab_size()
+        .max(runtime.codec.vocab_size());
+    let ids = prompt_ids(prompt, &encode, vocab)?;
     let mut prompts = Vec::new();
     let mut longest = 0;
     for ids in ids {
@@ -136,13 +146,43 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
         .max_tokens
         .unwrap_or(DEFAULT_MAX_TOKENS)
         .min(runtime.max_context - longest);
+    let echo = fields.echo.unwrap_or(false);
+    let prompt_logprobs = if echo && logprobs.is_some() {
+        prompts
+            .iter()
+            .map(|(_, ids)| prompt_tokens(runtime.codec.as_ref(), ids))
+            .collect()
+    } else {
+        Vec::new()
+    };
     Ok(Prepared {
         params,
         prompts,
+        prompt_logprobs,
         max_tokens,
         logprobs,
-        echo: fields.echo.unwrap_or(false),
+        echo,
     })
+}
+
+/// A prompt's tokens for echoed log-probabilities: the text each adds to the echoed prompt and
+/// where it starts; no log-probabilities (calla does not score prompts), as OpenAI's first token.
+fn prompt_tokens(codec: &dyn TextCodec, ids: &[u32]) -> Vec<LegacyToken> {
+    let mut decoder = IncrementalText::new();
+    let mut offset = 0;
+    ids.iter()
+        .map(|&id| {
+            let piece = decoder.push(codec, id);
+            let token = LegacyToken {
+                token: codec.token_text(id),
+                logprob: None,
+                top: None,
+                offset,
+            };
+            offset += piece.chars().count();
+            token
+        })
+        .collect()
 }
 
 pub async fn completions(
@@ -214,7 +254,11 @@ pub async fn completions(
                 } else {
                     String::new()
                 },
-                logprobs: Vec::new(),
+                logprobs: prepared
+                    .prompt_logprobs
+                    .get(c / n)
+                    .cloned()
+                    .unwrap_or_default(),
                 sent_logprobs: 0,
                 finish_reason: None,
             })
@@ -234,9 +278,31 @@ pub async fn completions(
     }
 }
 
+/// One token of the legacy log-probability object.
+#[derive(Debug, Clone)]
+struct LegacyToken {
+    token: String,
+    /// None for echoed prompt tokens.
+    logprob: Option<f32>,
+    top: Option<Vec<(String, f32)>>,
+    /// Characters of the choice's text before this token's text.
+    offset: usize,
+}
+
+impl LegacyToken {
+    fn generated(lp: TokenLogprob, offset: usize) -> LegacyToken {
+        LegacyToken {
+            token: lp.token,
+            logprob: Some(lp.logprob),
+            top: Some(lp.top),
+            offset,
+        }
+    }
+}
+
 struct CompletionChoice {
     text: String,
-    logprobs: Vec<TokenLogprob>,
+    logprobs: Vec<LegacyToken>,
     /// Log-probabilities already streamed.
     sent_logprobs: usize,
     finish_reason: Option<&'static str>,
@@ -254,20 +320,17 @@ struct CompletionReply {
     log: RequestLog,
 }
 
-/// The legacy completions log-probability object for `tokens`.
-fn legacy_logprobs(tokens: &[TokenLogprob], mut offset: usize) -> Json {
-    let mut text_offset = Vec::new();
-    for t in tokens {
-        text_offset.push(offset);
-        offset += t.token.len();
-    }
+/// The legacy completions log-probability object for `tokens`: `text_offset` counts characters
+/// of the choice's text (echoed prompt included) where each token's text begins, as OpenAI's.
+fn legacy_logprobs(tokens: &[LegacyToken]) -> Json {
     json!({
         "tokens": tokens.iter().map(|t| t.token.clone()).collect::<Vec<_>>(),
         "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
-        "top_logprobs": tokens.iter().map(|t| {
-            t.top.iter().map(|(tok, lp)| (tok.clone(), json!(lp))).collect::<Map<String, Json>>()
+        "top_logprobs": tokens.iter().map(|t| match &t.top {
+            Some(top) => Json::Object(top.iter().map(|(tok, lp)| (tok.clone(), json!(lp))).collect::<Map<String, Json>>()),
+            None => Json::Null,
         }).collect::<Vec<_>>(),
-        "text_offset": text_offset,
+        "text_offset": tokens.iter().map(|t| t.offset).collect::<Vec<_>>(),
     })
 }
 
@@ -286,13 +349,17 @@ impl CompletionReply {
         chunk
     }
 
-    fn echo_chunks(&self) -> Vec<Json> {
-        self.choices
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| !c.text.is_empty())
-            .map(|(i, c)| self.chunk(i, &c.text, Json::Null, None))
-            .collect()
+    /// The echoed prompts (with their tokens when log-probabilities are asked for).
+    fn echo_chunks(&mut self) -> Vec<Json> {
+        let mut chunks = Vec::new();
+        for i in 0..self.choices.len() {
+            if !self.choices[i].text.is_empty() {
+                let logprobs = self.pending_logprobs(i);
+                let text = self.choices[i].text.clone();
+                chunks.push(self.chunk(i, &text, logprobs, None));
+            }
+        }
+        chunks
     }
 
     fn pending_logprobs(&mut self, index: usize) -> Json {
@@ -300,11 +367,7 @@ impl CompletionReply {
         if !self.with_logprobs || choice.sent_logprobs == choice.logprobs.len() {
             return Json::Null;
         }
-        let offset: usize = choice.logprobs[..choice.sent_logprobs]
-            .iter()
-            .map(|t| t.token.len())
-            .sum();
-        let json = legacy_logprobs(&choice.logprobs[choice.sent_logprobs..], offset);
+        let json = legacy_logprobs(&choice.logprobs[choice.sent_logprobs..]);
         choice.sent_logprobs = choice.logprobs.len();
         json
     }
@@ -318,7 +381,7 @@ impl CompletionReply {
                 json!({
                     "index": index,
                     "text": c.text,
-                    "logprobs": if self.with_logprobs { legacy_logprobs(&c.logprobs, 0) } else { Json::Null },
+                    "logprobs": if self.with_logprobs { legacy_logprobs(&c.logprobs) } else { Json::Null },
                     "finish_reason": c.finish_reason.unwrap_or("stop"),
                 })
             })
@@ -346,8 +409,12 @@ impl Reply for CompletionReply {
                 Flow::Chunks(Vec::new())
             }
             GenEvent::Text { text, logprob } => {
-                self.choices[index].logprobs.extend(logprob);
-                self.choices[index].text.push_str(&text);
+                let choice = &mut self.choices[index];
+                let offset = choice.text.chars().count();
+                choice
+                    .logprobs
+                    .extend(logprob.map(|lp| LegacyToken::generated(lp, offset)));
+                choice.text.push_str(&text);
                 if text.is_empty() {
                     return Flow::Chunks(Vec::new());
                 }

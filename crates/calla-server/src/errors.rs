@@ -131,19 +131,19 @@ impl ApiError {
     }
 }
 
+/// Seconds a client told 429 should wait before retrying.
+pub const RETRY_AFTER_SECONDS: &str = "1";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, Json(self.body())).into_response();
-        // Busy (429) and loading / overloaded (503) are worth retrying: say when.
-        let retry_after = match self.status {
-            StatusCode::TOO_MANY_REQUESTS => Some("1"),
-            StatusCode::SERVICE_UNAVAILABLE => Some("5"),
-            _ => None,
-        };
-        if let Some(seconds) = retry_after {
+        if matches!(
+            self.status,
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        ) {
             response.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
-                axum::http::HeaderValue::from_static(seconds),
+                axum::http::HeaderValue::from_static(RETRY_AFTER_SECONDS),
             );
         }
         response

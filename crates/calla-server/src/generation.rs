@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use calla_chat::{StopMatcher, StopOutcome};
 use calla_engine::scheduler::{Job, JobFinish, JobReport, JobSink, JobStart};
-use calla_engine::TokenChoice;
+use calla_engine::{TokenChoice, TokenConstraint};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::codec::{IncrementalText, TextCodec};
@@ -48,6 +48,8 @@ pub struct Finished {
     pub report: JobReport,
     /// A stop string ended generation.
     pub stopped_by_string: bool,
+    /// Which one (an index into the request's non-empty stop strings).
+    pub stop_string: Option<usize>,
 }
 
 impl Finished {
@@ -69,6 +71,7 @@ struct TextSink {
     decoder: IncrementalText,
     stop: StopMatcher,
     stopped_by_string: bool,
+    stop_string: Option<usize>,
     want_logprobs: bool,
     state: Arc<AppState>,
     arrival: Instant,
@@ -124,9 +127,10 @@ impl JobSink for TextSink {
                 self.send(GenEvent::Text { text, logprob });
                 ControlFlow::Continue(())
             }
-            StopOutcome::Stopped { text, .. } => {
+            StopOutcome::Stopped { text, stop } => {
                 self.send(GenEvent::Text { text, logprob });
                 self.stopped_by_string = true;
+                self.stop_string = Some(stop);
                 ControlFlow::Break(())
             }
         }
@@ -145,8 +149,9 @@ impl JobSink for TextSink {
                 let tail = self.decoder.finish(self.codec.as_ref());
                 let mut text = match self.stop.push(&tail) {
                     StopOutcome::Continue(text) => text,
-                    StopOutcome::Stopped { text, .. } => {
+                    StopOutcome::Stopped { text, stop } => {
                         self.stopped_by_string = true;
+                        self.stop_string = Some(stop);
                         text
                     }
                 };
@@ -177,6 +182,7 @@ impl JobSink for TextSink {
             Finished {
                 report,
                 stopped_by_string: self.stopped_by_string,
+                stop_string: self.stop_string,
             }
         });
         if result.is_err() {
@@ -204,6 +210,31 @@ pub fn submit(
     top_logprobs: Option<usize>,
     arrival: Instant,
 ) -> Result<Events, ApiError> {
+    submit_constrained(
+        state,
+        runtime,
+        work,
+        Vec::new(),
+        params,
+        max_tokens,
+        top_logprobs,
+        arrival,
+    )
+}
+
+/// `submit`, the i-th work item under the i-th constraint (structured.rs; missing ones: none).
+#[allow(clippy::too_many_arguments)]
+pub fn submit_constrained(
+    state: &Arc<AppState>,
+    runtime: &Runtime,
+    work: Vec<Work>,
+    constraints: Vec<Box<dyn TokenConstraint>>,
+    params: &GenParams,
+    max_tokens: usize,
+    top_logprobs: Option<usize>,
+    arrival: Instant,
+) -> Result<Events, ApiError> {
+    let mut constraints = constraints.into_iter();
     let (tx, rx) = unbounded_channel();
     let jobs: Vec<Job> = work
         .into_iter()
@@ -219,6 +250,7 @@ pub fn submit(
                 ignore_eos: params.ignore_eos,
                 top_logprobs: top_logprobs.unwrap_or(0),
                 save_prefixes: w.save_prefixes,
+                constraint: constraints.next(),
                 sink: Box::new(TextSink {
                     choice: w.choice,
                     tx: tx.clone(),
@@ -226,6 +258,7 @@ pub fn submit(
                     decoder: IncrementalText::new(),
                     stop: StopMatcher::new(&params.stop),
                     stopped_by_string: false,
+                    stop_string: None,
                     want_logprobs: top_logprobs.is_some(),
                     state: Arc::clone(state),
                     arrival,
@@ -262,6 +295,8 @@ pub struct RequestLog {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// Token texts received: what a client that went away was sent (its jobs never report).
+    pub tokens_seen: usize,
     pub queued: Option<Duration>,
     pub first_token: Option<Duration>,
     pub finish_reasons: Vec<&'static str>,
@@ -281,12 +316,23 @@ impl RequestLog {
             prompt_tokens: 0,
             cached_tokens: 0,
             completion_tokens: 0,
+            tokens_seen: 0,
             queued: None,
             first_token: None,
             finish_reasons: Vec::new(),
             error: None,
             text: None,
             complete: false,
+        }
+    }
+
+    /// The completion tokens the log line reports: the engine's count, or for a request abandoned
+    /// mid-stream (its jobs never report back here) the tokens it was sent.
+    pub fn reported_completion_tokens(&self) -> usize {
+        if self.complete {
+            self.completion_tokens
+        } else {
+            self.completion_tokens.max(self.tokens_seen)
         }
     }
 
@@ -303,6 +349,7 @@ impl RequestLog {
                 }
             }
             GenEvent::Text { text, .. } => {
+                self.tokens_seen += 1;
                 if self.first_token.is_none() {
                     self.first_token = Some(self.arrival.elapsed());
                 }
@@ -322,6 +369,7 @@ impl RequestLog {
 
 impl Drop for RequestLog {
     fn drop(&mut self) {
+        self.completion_tokens = self.reported_completion_tokens();
         let total = self.arrival.elapsed();
         let ms = |d: Option<Duration>| {
             d.map_or("-".to_string(), |d| format!("{:.1}", d.as_secs_f64() * 1e3))
@@ -360,5 +408,26 @@ impl Drop for RequestLog {
                 tracing::info!(target: "calla::request", "{} output[{i}]: {:?}", self.id, out);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_abandoned_stream_logs_the_tokens_it_was_sent() {
+        let mut log = RequestLog::new("x".into(), "chat", Instant::now(), true);
+        for _ in 0..5 {
+            let text = GenEvent::Text {
+                text: "a".into(),
+                logprob: None,
+            };
+            log.observe(0, &text);
+        }
+        assert_eq!(log.reported_completion_tokens(), 5);
+        log.completion_tokens = 6;
+        log.complete = true;
+        assert_eq!(log.reported_completion_tokens(), 6);
     }
 }

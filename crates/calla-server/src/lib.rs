@@ -8,11 +8,14 @@
 //!
 //! Start with [`AppState::new`], bind, [`serve`] (answering 503 until [`AppState::set_ready`]).
 
+pub mod anthropic;
+mod anthropic_input;
 pub mod auth;
 pub mod chat;
 mod chat_reply;
 pub mod codec;
 pub mod completions;
+pub mod cors;
 pub mod errors;
 pub mod generation;
 pub mod guard;
@@ -21,9 +24,16 @@ pub mod load;
 pub mod metrics;
 pub mod params;
 pub mod request;
+pub mod responses;
+mod responses_input;
 pub mod routes;
 pub mod sse;
 pub mod state;
+pub mod structured;
+pub mod tokenize;
+pub mod tool_filter;
+pub mod turn;
+pub mod unknown;
 
 pub use codec::{IncrementalText, TextCodec};
 pub use errors::ApiError;

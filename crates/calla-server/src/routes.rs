@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{header, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
@@ -16,12 +16,23 @@ use crate::completions::completions;
 use crate::errors::ApiError;
 use crate::guard::{check_request, read_body};
 use crate::state::AppState;
+use crate::{anthropic, cors, responses, tokenize};
 
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        // Anthropic clients configured with a base URL that already ends in /v1.
+        .route("/messages", post(anthropic::messages))
+        .route("/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -41,22 +52,35 @@ pub fn router(state: Arc<AppState>) -> Router {
             check_request,
         ))
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(middleware::from_fn(anthropic::anthropic_errors))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            cors::cors,
+        ))
         .with_state(state)
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Response {
+fn model_card(state: &AppState) -> serde_json::Value {
     let max_context = state.runtime().map(|rt| rt.max_context).ok();
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.config.served_model_name,
-            "object": "model",
-            "created": state.started,
-            "owned_by": "calla",
-            "max_model_len": max_context,
-        }],
-    }))
-    .into_response()
+    json!({
+        "id": state.config.served_model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "calla",
+        "max_model_len": max_context,
+    })
+}
+
+/// GET /v1/models/{id}: the served model's card, 404 for any other id.
+async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    if id != state.config.served_model_name {
+        return ApiError::unknown_model(&id, &state.config.served_model_name).into_response();
+    }
+    Json(model_card(&state)).into_response()
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    Json(json!({"object": "list", "data": [model_card(&state)]})).into_response()
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {

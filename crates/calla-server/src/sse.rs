@@ -25,6 +25,28 @@ pub enum Flow {
 /// An endpoint's reply under construction, fed with the engine's events in order.
 pub trait Reply: Send + 'static {
     fn on_event(&mut self, choice: usize, event: GenEvent) -> Flow;
+    /// One chunk as an SSE event: `data: {json}` (OpenAI chat and completions); protocols with
+    /// named events (Anthropic, Responses) add `event: {type}`.
+    fn sse_event(&self, chunk: &Json) -> Event {
+        data(chunk)
+    }
+    /// What ends a finished stream: `data: [DONE]`, or nothing.
+    fn done_event(&self) -> Option<Event> {
+        Some(Event::default().data("[DONE]"))
+    }
+    /// An engine failure after the 200 header.
+    fn error_event(&self, error: &ApiError) -> Event {
+        data(&error.body())
+    }
+}
+
+/// `event: {chunk.type}` + `data: {chunk}`.
+pub fn typed_event(chunk: &Json) -> Event {
+    let kind = chunk
+        .get("type")
+        .and_then(Json::as_str)
+        .unwrap_or("message");
+    Event::default().event(kind).data(chunk.to_string())
 }
 
 /// Collect a non-streamed reply: returns once every choice has finished.
@@ -57,9 +79,9 @@ fn data(json: &Json) -> Event {
 /// channel, which cancels the engine's work.
 pub fn stream(events: Events, reply: impl Reply, first: Vec<Json>) -> Response {
     let state = StreamState {
+        queue: first.iter().map(|c| reply.sse_event(c)).collect(),
         events,
         reply,
-        queue: first.iter().map(data).collect(),
         ended: false,
     };
     let body = futures_util::stream::unfold(state, |mut st| async move {
@@ -78,14 +100,23 @@ pub fn stream(events: Events, reply: impl Reply, first: Vec<Json>) -> Response {
                 )),
             };
             match flow {
-                Flow::Chunks(chunks) => st.queue.extend(chunks.iter().map(data)),
+                Flow::Chunks(chunks) => {
+                    for c in &chunks {
+                        let event = st.reply.sse_event(c);
+                        st.queue.push_back(event);
+                    }
+                }
                 Flow::Done(chunks) => {
-                    st.queue.extend(chunks.iter().map(data));
-                    st.queue.push_back(Event::default().data("[DONE]"));
+                    for c in &chunks {
+                        let event = st.reply.sse_event(c);
+                        st.queue.push_back(event);
+                    }
+                    st.queue.extend(st.reply.done_event());
                     st.ended = true;
                 }
                 Flow::Failed(error) => {
-                    st.queue.push_back(data(&error.body()));
+                    let event = st.reply.error_event(&error);
+                    st.queue.push_back(event);
                     st.ended = true;
                 }
             }

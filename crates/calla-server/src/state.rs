@@ -16,6 +16,8 @@ use crate::codec::TextCodec;
 use crate::errors::ApiError;
 use crate::listen::Limits;
 use crate::metrics::{EngineGauges, Metrics};
+use crate::responses::ResponseStore;
+use crate::structured::Grammars;
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -33,7 +35,8 @@ pub struct ServerConfig {
     pub max_prompt_bytes: usize,
     /// Host names requests may name (guard.rs); None = any. Default: loopback names.
     pub allowed_hosts: Option<Vec<String>>,
-    /// Origins allowed besides the allowed hosts' own pages (`--cors-origin`; `*` = any).
+    /// Browser origins that get CORS headers and pass the Origin check besides the allowed hosts'
+    /// own pages (`--cors-origin`; `*`: any); empty: no CORS (cors.rs, guard.rs).
     pub cors_origins: Vec<String>,
     /// Timeouts and the connection cap (listen.rs).
     pub limits: Limits,
@@ -76,6 +79,10 @@ pub struct AppState {
     pub config: ServerConfig,
     pub api_key: Option<ApiKey>,
     pub metrics: Metrics,
+    /// Constrained decoding's shared parser factory (structured.rs).
+    pub grammars: Grammars,
+    /// Recent /v1/responses results, for previous_response_id (responses.rs).
+    pub responses: ResponseStore,
     /// Unix time the server started (the `created` of /v1/models).
     pub started: u64,
     runtime: OnceLock<Arc<Runtime>>,
@@ -89,6 +96,8 @@ impl AppState {
         Arc::new(AppState {
             api_key: config.api_key.as_deref().map(ApiKey::new),
             metrics: Metrics::default(),
+            grammars: Grammars::default(),
+            responses: ResponseStore::default(),
             started: unix_now(),
             prepare_permits: Arc::new(Semaphore::new(config.prepare_threads.max(1))),
             config,

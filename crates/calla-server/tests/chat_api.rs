@@ -199,14 +199,16 @@ async fn tool_calls_are_parsed_typed_and_streamed_name_first() {
     );
     assert!(r["choices"][0]["message"].get("tool_calls").is_none());
 
-    // a named function: the reply starts inside that call
+    // a named function: the grammar skips the model's preamble and keeps the call
     let mut named = body.clone();
     named["tool_choice"] = json!({"type": "function", "function": {"name": "get_weather"}});
-    named["messages"] = user("anything");
     let r = post(server.addr, CHAT, &named).await.json();
     let call = &r["choices"][0]["message"]["tool_calls"][0];
     assert_eq!(call["function"]["name"], "get_weather");
-    assert_eq!(call["function"]["arguments"], r#"{"city": "Paris"}"#);
+    assert_eq!(
+        call["function"]["arguments"],
+        r#"{"city": "Paris", "days": 3}"#
+    );
     assert_eq!(r["choices"][0]["finish_reason"], "tool_calls");
     assert!(r["choices"][0]["message"]["content"].is_null());
 }

@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use serde_json::json;
+use serde_json::{json, Value as Json};
 
 const COMPLETIONS: &str = "/v1/completions";
 
@@ -140,4 +140,68 @@ async fn echo_stop_logprobs_and_streaming() {
     assert_eq!(chunks[n - 1]["choices"], json!([]));
     assert_eq!(chunks[n - 1]["usage"]["prompt_tokens"], 3);
     assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn echoed_logprobs_count_characters_and_padding_ids_are_accepted() {
+    let server = start(Options {
+        model_vocab: 300,
+        ..Options::default()
+    })
+    .await;
+    // "é" is two byte tokens; the echoed prompt's tokens come first, without log-probabilities
+    let r = post(
+        server.addr,
+        COMPLETIONS,
+        &json!({"prompt": "é!", "echo": true, "max_tokens": 3, "logprobs": 1}),
+    )
+    .await
+    .json();
+    let c = &r["choices"][0];
+    assert_eq!(c["text"], "é! co");
+    let lp = &c["logprobs"];
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 3 + 3);
+    assert_eq!(lp["token_logprobs"][0], Json::Null);
+    assert_eq!(lp["top_logprobs"][2], Json::Null);
+    assert!(lp["token_logprobs"][3].is_number());
+    // character offsets into the text: é (bytes 0, 1) at 0, ! at 1, then " ", "c", "o"
+    assert_eq!(lp["text_offset"], json!([0, 0, 1, 2, 3, 4]));
+
+    // streamed: the echo chunk carries the prompt's tokens
+    let chunks = open_stream(
+        server.addr,
+        COMPLETIONS,
+        &json!({"prompt": "ab", "echo": true, "max_tokens": 2, "logprobs": 0, "stream": true}),
+    )
+    .await
+    .collect_json()
+    .await;
+    assert_eq!(chunks[0]["choices"][0]["text"], "ab");
+    assert_eq!(
+        chunks[0]["choices"][0]["logprobs"]["text_offset"],
+        json!([0, 1])
+    );
+    let later: Vec<Json> = chunks[1..]
+        .iter()
+        .filter(|c| !c["choices"][0]["logprobs"].is_null())
+        .map(|c| c["choices"][0]["logprobs"]["text_offset"][0].clone())
+        .collect();
+    assert_eq!(later, [json!(2), json!(3)]);
+
+    // ids past the tokenizer but inside the model's embedding are fine; past it, 400
+    let r = post(
+        server.addr,
+        COMPLETIONS,
+        &json!({"prompt": [72, 105, 280], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = post(
+        server.addr,
+        COMPLETIONS,
+        &json!({"prompt": [72, 300], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "prompt");
 }

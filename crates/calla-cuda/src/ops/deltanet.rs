@@ -4,7 +4,7 @@
 //! about Dv/SPLIT value columns of its state, or by one block on older devices (see the kernel
 //! header for why and how the gated norm's Σo² crosses the blocks).
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{ensure, Result};
 use calla_model::ModelSpec;
 
 use crate::runtime::gpu::{DPtr, Gpu, Launch};
@@ -66,13 +66,8 @@ pub fn check_dims(spec: &ModelSpec) -> Result<()> {
         spec.linear_key_head_dim,
         spec.linear_value_head_dim,
     );
-    if !matches!(dk, 32 | 64 | 128 | 256) {
-        bail!("linear_key_head_dim {dk}: the cuda DeltaNet kernel supports 32, 64, 128 or 256");
-    }
-    ensure!(
-        dv <= 256,
-        "linear_value_head_dim {dv}: the cuda DeltaNet kernel supports ≤ 256"
-    );
+    // dims the compiled kernels do not cover run deltanet_general.cu
+    crate::ops::deltanet_general::check_head_dims(dk, dv)?;
     ensure!(
         hk > 0 && hv % hk == 0,
         "linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {hk}"
@@ -115,6 +110,9 @@ pub fn decode_split(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo, split: u32) ->
         "DeltaNet decode: {split} blocks per head need thread-block clusters (sm_90+), this device is {}",
         gpu.arch
     );
+    if crate::ops::deltanet_general::decode_is_general(spec) {
+        return crate::ops::deltanet_general::decode(gpu, spec, io); // one block per head, any split
+    }
     let p = params(spec, io);
     let dk = spec.linear_key_head_dim;
     let name = if split == 1 {
@@ -138,6 +136,9 @@ pub fn decode_split(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo, split: u32) ->
 /// (`CALLA_DN_NORM=deltanet` keeps the whole norm here, in a cluster).
 pub fn decode_parts(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo) -> Result<Launch> {
     check_dims(spec)?;
+    if crate::ops::deltanet_general::decode_is_general(spec) {
+        return crate::ops::deltanet_general::decode_parts(gpu, spec, io);
+    }
     let p = params(spec, io);
     let name = parts_kernel(gpu.choices().compiled_copies, spec);
     Launch::new(

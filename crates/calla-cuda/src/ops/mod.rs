@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod attention_prefill;
 pub mod deltanet;
+pub mod deltanet_general;
 pub mod deltanet_prefill;
 pub mod gemm;
 pub mod matvec;

@@ -67,6 +67,7 @@ fn module_of(function: &str) -> Option<&'static str> {
         ("matvec_", "matvec"),
         ("embed_", "matvec"),
         ("deltanet_", "deltanet"),
+        ("dngen_", "deltanet_general"),
         ("attn_", "attention"),
         ("moe_", "moe"),
         ("select_", "select"),

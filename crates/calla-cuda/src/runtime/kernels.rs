@@ -38,6 +38,8 @@ macro_rules! kernel_source {
 
 pub const MATVEC: KernelSource = kernel_source!("matvec");
 pub const DELTANET: KernelSource = kernel_source!("deltanet");
+/// DeltaNet head dims the compiled kernels do not cover (deltanet_general.rs).
+pub const DELTANET_GENERAL: KernelSource = kernel_source!("deltanet_general");
 pub const MOE: KernelSource = kernel_source!("moe");
 /// The token selection: its parameters, Philox and the radix select, then sampling, then the
 /// kernels.
@@ -112,6 +114,7 @@ pub const ALL: &[&KernelSource] = &[
     &MATVEC_TC,
     &MOE_TC,
     &DELTANET,
+    &DELTANET_GENERAL,
     &ATTENTION,
     &MOE,
     &SELECT,

@@ -10,3 +10,4 @@ pub mod kernels;
 pub mod nvrtc;
 pub mod pool;
 pub mod probe;
+pub mod usable_gpu;

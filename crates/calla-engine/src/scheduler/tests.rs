@@ -181,6 +181,7 @@ fn job(
         ignore_eos: false,
         top_logprobs: 0,
         save_prefixes: vec![],
+        constraint: None,
         sink: Box::new(ChannelSink {
             id,
             tx: tx.clone(),

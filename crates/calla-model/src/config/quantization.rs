@@ -1,4 +1,4 @@
-//! The MLX `quantization` block of config.json (model.md §1.6): global parameters plus per-module
+//! The MLX `quantization` block of config.json (as mlx-lm writes it): global parameters plus per-module
 //! overrides keyed by module path, siblings of the global keys.
 
 use std::collections::BTreeMap;
@@ -22,7 +22,7 @@ pub struct QuantParams {
 }
 
 /// The MLX `quantization` block: global `(bits, group_size, mode)` plus per-module overrides keyed
-/// by the full module path (siblings of the global keys, model.md §1.6).
+/// by the full module path (siblings of the global keys, as mlx-lm writes them).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct QuantizationBlock {
     pub group_size: usize,

@@ -1,4 +1,4 @@
-//! Tensor names: one map per checkpoint style (model.md §3), plus the ignore list.
+//! Tensor names: one map per checkpoint style (the published checkpoints' safetensors indexes), plus the ignore list.
 //!
 //! | style            | decoder prefix            | LM head                  | written by                          |
 //! |------------------|---------------------------|--------------------------|-------------------------------------|
@@ -80,7 +80,7 @@ impl CheckpointStyle {
 }
 
 /// Tensors that belong to the checkpoint but not to the text model: the vision tower and the MTP
-/// head (model.md §2.8, §3.4). Returns the category for the report, or None if not ignored.
+/// head (mlx-lm's `sanitize` drops them too). Returns the category for the report, or None if not ignored.
 pub fn ignore_category(name: &str) -> Option<&'static str> {
     const VISION: [&str; 5] = [
         "model.visual.",

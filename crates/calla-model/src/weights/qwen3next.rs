@@ -1,4 +1,4 @@
-//! Qwen3-Next's interleaved DeltaNet projections → Qwen3.5's separate layout (model.md §8).
+//! Qwen3-Next's interleaved DeltaNet projections → Qwen3.5's separate layout (transformers' `modeling_qwen3_next.py`).
 //!
 //! Qwen3-Next stores `in_proj_qkvz: [2·Hk·Dk + 2·Hv·Dv, D]` and `in_proj_ba: [2·Hv, D]` grouped per KEY
 //! head g (r = Hv/Hk value heads per key head):

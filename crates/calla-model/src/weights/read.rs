@@ -3,7 +3,7 @@
 //! A linear module at path `P` is stored either dense (`P.weight`, f32/bf16/f16, `[out, in]`) or as an
 //! MLX affine triple (`P.weight` u32 codes `[out, in·bits/32]`, `P.scales` / `P.biases` `[out, in/g]`).
 //! Stacked experts have a leading `[E]` axis on all of these. The bit width is inferred from the packed
-//! width and checked against the config's quantisation block (model.md §3.3–3.5).
+//! width and checked against the config's quantisation block (MLX affine: `mlx.core.quantize`).
 
 use crate::config::{QuantizationBlock, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use crate::error::LoadError;

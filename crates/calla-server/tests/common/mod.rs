@@ -49,6 +49,11 @@ impl TextCodec for ByteCodec {
     fn vocab_size(&self) -> usize {
         257
     }
+    fn vocab_bytes(&self) -> Option<Vec<Vec<u8>>> {
+        let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        words.push(calla_server::structured::special_bytes("<eos>"));
+        Some(words)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -62,12 +67,27 @@ pub fn script(prompt: &str) -> String {
         .and_then(|rest| rest.split("<|im_end|>").next())
         .unwrap_or(prompt)
         .to_string();
-    if let Some(rest) = prompt.strip_suffix("<function=get_weather>\n") {
-        let _ = rest;
-        return "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>".into();
-    }
     let thinking = prompt.ends_with("<think>\n");
-    let answer = if prompt.contains("<tools>") && user.contains("weather") {
+    let call = |name: &str, city: &str| {
+        format!("<tool_call>\n<function={name}>\n<parameter=city>\n{city}\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    };
+    let answer = if prompt.contains("<tools>") && user.contains("twice") {
+        format!(
+            "{}\n{}",
+            call("get_weather", "Paris"),
+            call("get_weather", "Rome")
+        )
+    } else if prompt.contains("<tools>") && user.contains("undeclared") {
+        format!(
+            "{}\n{}",
+            call("launch_rockets", "Paris"),
+            call("get_weather", "Rome")
+        )
+    } else if let Some(raw) = user.strip_prefix("raw ") {
+        raw.to_string()
+    } else if let Some(json) = user.strip_prefix("json ") {
+        format!("Here: {json}")
+    } else if prompt.contains("<tools>") && user.contains("weather") {
         "Checking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>".to_string()
     } else if let Some(n) = user.strip_prefix("long ") {
         "a".repeat(n.trim().parse().unwrap_or(100))
@@ -91,13 +111,14 @@ pub struct ScriptBackend {
     pub step_delay: Duration,
 }
 
-struct History(Vec<u32>);
+/// The tokens consumed, and where the prompt ended (known at the first `forward_logits`).
+struct History(Vec<u32>, Option<usize>);
 impl Sequence for History {
     fn len(&self) -> usize {
         self.0.len()
     }
     fn snapshot(&self) -> Box<dyn Sequence> {
-        Box::new(History(self.0.clone()))
+        Box::new(History(self.0.clone(), self.1))
     }
     fn byte_size(&self) -> usize {
         4 * self.0.len() + 64
@@ -143,7 +164,7 @@ impl Backend for ScriptBackend {
         "script".into()
     }
     fn new_sequence(&mut self) -> anyhow::Result<Box<dyn Sequence>> {
-        Ok(Box::new(History(Vec::new())))
+        Ok(Box::new(History(Vec::new(), None)))
     }
     fn step(
         &mut self,
@@ -184,8 +205,48 @@ impl Backend for ScriptBackend {
             top,
         })
     }
-    fn forward_logits(&mut self, _: &mut dyn Sequence, _: &[u32]) -> anyhow::Result<Vec<f32>> {
-        anyhow::bail!("not used by the server")
+    /// Constrained steps (the server's grammars) come here: the script's next byte gets the
+    /// highest logit, where the script is the reply, or the reply with its answer from its first
+    /// `<tool_call>` or `{` on (the grammar skips a preamble), whichever the text so far follows;
+    /// off script, EOS.
+    fn forward_logits(
+        &mut self,
+        seq: &mut dyn Sequence,
+        tokens: &[u32],
+    ) -> anyhow::Result<Vec<f32>> {
+        std::thread::sleep(self.step_delay);
+        self.steps.fetch_add(1, Ordering::SeqCst);
+        let history = seq.as_any_mut().downcast_mut::<History>().unwrap();
+        history.0.extend_from_slice(tokens);
+        let prompt_len = *history.1.get_or_insert(history.0.len());
+        let (prompt, generated) = history.0.split_at(prompt_len);
+        let reply = script(&ByteCodec.decode(prompt));
+        let generated: Vec<u8> = generated
+            .iter()
+            .filter(|&&t| t < 256)
+            .map(|&t| t as u8)
+            .collect();
+        // The reasoning stays; the answer's preamble may be skipped.
+        let think_end = reply
+            .find("</think>\n\n")
+            .map_or(0, |i| i + "</think>\n\n".len());
+        let (head, answer) = reply.split_at(think_end);
+        let candidates: Vec<String> = [Some(0), answer.find("<tool_call>"), answer.find('{')]
+            .into_iter()
+            .flatten()
+            .map(|at| format!("{head}{}", &answer[at..]))
+            .collect();
+        let next = candidates
+            .iter()
+            .map(|c| c.as_bytes())
+            .find(|c| c.starts_with(&generated))
+            .map(|c| c.get(generated.len()).map_or(EOS, |&b| b as u32));
+        let mut logits = vec![0.0; 257];
+        logits[EOS as usize] = 1.0;
+        if let Some(next) = next {
+            logits[next as usize] = 10.0;
+        }
+        Ok(logits)
     }
 }
 
@@ -209,6 +270,8 @@ pub struct Options {
     pub codec: Option<Arc<dyn TextCodec>>,
     /// Default: the Qwen3.6 template.
     pub template: Option<ChatTemplate>,
+    /// The model's vocabulary (its embedding rows); more than the codec's 257 means padding rows.
+    pub model_vocab: usize,
 }
 
 impl Default for Options {
@@ -225,6 +288,7 @@ impl Default for Options {
             ready: true,
             codec: None,
             template: None,
+            model_vocab: 257,
         }
     }
 }
@@ -260,8 +324,10 @@ pub fn qwen_template() -> ChatTemplate {
 
 pub async fn start(opts: Options) -> TestServer {
     let steps = Arc::new(AtomicUsize::new(0));
+    let mut spec = byte_spec(opts.max_context);
+    spec.vocab_size = opts.model_vocab;
     let backend = ScriptBackend {
-        spec: byte_spec(opts.max_context),
+        spec,
         steps: Arc::clone(&steps),
         step_delay: opts.step_delay,
     };
