@@ -5,9 +5,9 @@
 //!
 //! Allowed hosts come from the bound address (`--host`): a loopback bind allows `localhost`,
 //! `127.0.0.1` and `[::1]`; a named or specific address allows that name; an unspecified bind
-//! (`0.0.0.0`, `::`) allows any Host. Origins are allowed when their host is an allowed host, or
-//! when `--cors-origin` lists them (or `*`). Requests without an Origin (curl, SDKs) are not
-//! affected by the Origin check.
+//! (`0.0.0.0`, `::`) allows any Host. On POST (and other non-read methods) origins are allowed when
+//! their host is an allowed host, or when `--cors-origin` lists them (or `*`). Requests without an
+//! Origin (curl, SDKs) are not affected by the Origin check.
 
 use std::sync::Arc;
 
@@ -181,7 +181,13 @@ pub async fn check_request(
             );
         }
     }
-    if let Some(origin) = request.headers().get(header::ORIGIN) {
+    // Reads (GET, HEAD) and preflights (OPTIONS) from other origins are harmless: the browser does
+    // not let the page see the answer without CORS headers (cors.rs). Anything else is refused.
+    let reads = matches!(
+        *request.method(),
+        Method::GET | Method::HEAD | Method::OPTIONS
+    );
+    if let Some(origin) = request.headers().get(header::ORIGIN).filter(|_| !reads) {
         let origin = origin.to_str().unwrap_or("\u{fffd}");
         if !origin_allowed(
             &config.allowed_hosts,
