@@ -11,18 +11,19 @@ port=18431
 pid=$!
 trap 'kill $pid 2>/dev/null' EXIT
 for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
-python3 - "$port" <<'PY'
+python3 - "$port" "$(basename "$model")" <<'PY'
 import json, sys, urllib.request
 base = f"http://127.0.0.1:{sys.argv[1]}"
+name = sys.argv[2]
 def post(path, body):
     req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=120))
 ok = True
-r = post("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16})
+r = post("/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16})
 print("chat:", r["choices"][0]["finish_reason"], r["usage"])
 schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
-r = post("/v1/chat/completions", {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "A person"}],
+r = post("/v1/chat/completions", {"model": name, "max_tokens": 64, "messages": [{"role": "user", "content": "A person"}],
          "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
 text = r["choices"][0]["message"]["content"]
 try:
@@ -32,7 +33,7 @@ except Exception:
     good = False
 print("json_schema:", "PASS" if good else "FAIL", repr(text))
 ok &= good
-r = post("/v1/messages", {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]})
+r = post("/v1/messages", {"model": name, "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]})
 good = r["type"] == "message" and r["content"] and r["stop_reason"] in ("end_turn", "max_tokens")
 print("anthropic messages:", "PASS" if good else "FAIL", r["stop_reason"], r["usage"])
 ok &= good
