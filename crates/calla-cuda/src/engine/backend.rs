@@ -67,8 +67,8 @@ pub struct CudaOptions {
     /// cache), per product group (prompt_precision.rs): balanced by default (f16 products on q4
     /// weights on Hopper, the DeltaNet in-projections split: within the parity tolerance, 1.45×
     /// split's speed at 8K), split everywhere (≈ f32: prompts agree with the f32 decode path and
-    /// the CPU reference to ~1e-5), half or fast everywhere (faster, less exact: docs/performance.md,
-    /// "Session 10", "Session 11"), or between, e.g. `PromptPrecision::MIXED` (routed experts fast).
+    /// the CPU reference to ~1e-5), half or fast everywhere (faster, less exact:
+    /// docs/experiments.md), or between, e.g. `PromptPrecision::MIXED` (routed experts fast).
     /// The MoE router always runs split.
     pub prompt_precision: PromptPrecision,
     /// Which kernel variants the launchers pick: the measured fastest by default;

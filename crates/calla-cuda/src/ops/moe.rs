@@ -416,7 +416,7 @@ pub fn router_launch(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, selects: bool) ->
     let width = crate::ops::matvec::lanes_per_row(d / w.router.format.per_unit());
     // Without the ticket the router is its rows only: blocks of 128 threads spread them over twice
     // the blocks (33 instead of 17 at the real shape: 5.2 → 5.0 µs per launch; 64 threads were
-    // slower, 5.5; docs/performance.md, session 7). The staged input then holds ≤ 8·4·128 columns
+    // slower, 5.5; docs/experiments.md). The staged input then holds ≤ 8·4·128 columns
     // (common.cuh stage_input); the selecting router's last block needs all 256 threads.
     let threads = if !selects && d <= 8 * 4 * 128 && width <= 128 {
         128
@@ -502,7 +502,7 @@ fn shared_same_format(w: &MoeWeightsRef) -> Option<bool> {
 }
 
 /// Whether the top-k is taken in every block of the tensor-core gate/up (it runs the routed experts;
-/// the router then needs no ticket: docs/performance.md, session 6), not in the router's last block.
+/// the router then needs no ticket: docs/experiments.md), not in the router's last block.
 fn gate_up_selects(w: &MoeWeightsRef, engine: DotEngine, router: RouterPlacement) -> bool {
     let first_shared = w
         .shared
