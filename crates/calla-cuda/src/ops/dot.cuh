@@ -358,7 +358,7 @@ __device__ __forceinline__ float cluster_load_f32(const float* local, u32 rank) 
 }
 #endif
 
-// Programmatic dependent launch (graph.rs, CALLA_PDL): a kernel launched with it may start while
+// Programmatic dependent launch (graph.rs): a kernel launched with it may start while
 // the previous kernel in the stream still runs. griddep_wait() returns once that kernel (and so,
 // transitively, every earlier one) has finished and its writes are visible: call it before reading
 // or writing anything the previous kernel touches. griddep_launch_dependents() lets the next kernel
