@@ -23,3 +23,6 @@ mod pipeline;
 
 #[path = "gpu/dn_general.rs"]
 mod dn_general;
+
+#[path = "gpu/masked.rs"]
+mod masked;

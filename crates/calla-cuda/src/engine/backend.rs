@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
+use calla_engine::constraint::TokenMask;
 use calla_engine::{Backend, Selection, Sequence, TokenChoice};
 use calla_model::{ModelSpec, Weights};
 
@@ -427,9 +428,13 @@ impl CudaBackend {
         seq: &mut CudaSequence,
         tokens: &[u32],
         sel: &Selection,
+        allowed: Option<&TokenMask>,
     ) -> Result<usize> {
         self.check_tokens(seq, tokens)?;
-        self.selector.prepare(&self.gpu, sel)?;
+        match allowed {
+            Some(mask) => self.selector.prepare_masked(&self.gpu, sel, mask)?,
+            None => self.selector.prepare(&self.gpu, sel)?,
+        }
         let (prompt, last) = tokens.split_at(tokens.len() - 1);
         prompt::run_prompt_tokens(self, seq, prompt)?;
         let pos = seq.len + prompt.len();
@@ -582,6 +587,37 @@ impl Backend for CudaBackend {
         self.step_pipelined(seq, tokens, sel, false)
     }
 
+    fn supports_token_mask(&self) -> bool {
+        true
+    }
+
+    /// The mask goes to the device with the step (select.rs `prepare_masked`): the selection
+    /// launch chooses among the allowed tokens, as for any other request; no logits cross to the
+    /// host. Never runs ahead (the next mask depends on this token).
+    fn step_masked(
+        &mut self,
+        seq: &mut dyn Sequence,
+        tokens: &[u32],
+        sel: &Selection,
+        allowed: &TokenMask,
+    ) -> Result<TokenChoice> {
+        let seq = cuda_sequence(seq)?;
+        ensure!(!seq.ran_ahead, RAN_AHEAD);
+        self.settle()?;
+        let slot = self.start_step(seq, tokens, sel, Some(allowed))?;
+        let choice = self.collect(slot)?;
+        if let Some(c) = self.cursor_mirror.as_mut() {
+            c.token = choice.token as i32;
+        }
+        ensure!(
+            allowed.allows(choice.token),
+            "the constraint allows no token with a finite logit ({} allowed of {})",
+            allowed.count(),
+            allowed.len()
+        );
+        Ok(choice)
+    }
+
     fn step_pipelined(
         &mut self,
         seq: &mut dyn Sequence,
@@ -614,7 +650,7 @@ impl Backend for CudaBackend {
             f.slot
         } else {
             self.settle()?;
-            self.start_step(seq, tokens, sel)?
+            self.start_step(seq, tokens, sel, None)?
         };
         // The next step reads its token, position and selection state from the device, where this
         // step's selection leaves them: it can be queued before this step's token is known.
