@@ -88,7 +88,7 @@ pub fn route_acc_words(e: usize) -> usize {
 
 pub use crate::ops::matvec::RouteTail;
 
-/// The tensor-core gate/up's parameters (matvec_tc.cu TcGateUpParams): with `route.logits` set,
+/// The tensor-core gate/up's parameters (moe_tc.cu TcGateUpParams): with `route.logits` set,
 /// every block selects the top-k itself and the router runs without its ticket.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -204,7 +204,7 @@ fn gate_up_launch(
     let nslots = slots.1 - slots.0;
     let n = i.max(is);
     if tensor_core_gate_up(engine, d, routed.map(|r| r.0), shared) {
-        // matvec_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
+        // moe_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
         // blocks that fit at once
         let name = gate_up_kernel(gpu.choices().compiled_copies, d, i, is, a, route.as_ref());
         let smem = (4 * d + d / 16) as u32;
@@ -286,7 +286,7 @@ pub fn down_kernel(
     }
 }
 
-/// Whether the gate/up products run on matvec_tc.cu (q4 in groups of 64, D 1024·{1, 2, 4}).
+/// Whether the gate/up products run on moe_tc.cu (q4 in groups of 64, D 1024·{1, 2, 4}).
 fn tensor_core_gate_up(
     engine: DotEngine,
     d: usize,
@@ -299,7 +299,7 @@ fn tensor_core_gate_up(
         && shared.is_none_or(tensor_core_format)
 }
 
-/// Chunks of 128 columns the tensor-core down kernel takes (matvec_tc.cu: 8 warps ×
+/// Chunks of 128 columns the tensor-core down kernel takes (moe_tc.cu: 8 warps ×
 /// MTC_DOWN_CHUNKS).
 const TC_DOWN_CHUNKS: usize = 40;
 
@@ -340,7 +340,7 @@ fn down_launch(
         route_acc_len: clear.map(|c| c.1).unwrap_or(0) as i32,
         pad: 0,
     };
-    // matvec_tc.cu: the slots' rows as one virtual row of chunks of 128 columns, at most
+    // moe_tc.cu: the slots' rows as one virtual row of chunks of 128 columns, at most
     // TC_DOWN_CHUNKS of them (9 slots of 512 in the real model: 36)
     let q4_tc = |m: &DevMatrix| tensor_core_format(m) && m.cols.is_multiple_of(128);
     let n_routed = a.min(slots.1).saturating_sub(slots.0);
