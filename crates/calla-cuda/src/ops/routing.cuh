@@ -2,7 +2,7 @@
 // the router inside the out-projection (matvec_tc.cu) with gate/up selecting (moe_tc.cu).
 
 // ---------------------------------------------------------------- MoE routing (top-A of the router logits)
-// Shared by moe.cu's ticket router (its last block selects) and matvec_tc.cu's gate/up (every block
+// Shared by moe.cu's ticket router (its last block selects) and moe_tc.cu's gate/up (every block
 // selects for itself, so the router needs no ticket).
 #define MOE_MAX_E 1024
 #define ROUTE_MAX_CAND (MOE_MAX_E / 32 * MOE_MAX_A) // candidates of select_top's second round
