@@ -26,3 +26,6 @@ mod dn_general;
 
 #[path = "gpu/masked.rs"]
 mod masked;
+
+#[path = "gpu/snapshot.rs"]
+mod snapshot;

@@ -158,6 +158,8 @@ pub struct CudaBackend {
     pub scratch: Scratch,
     pub selector: Selector,
     pub layout: StateLayout,
+    /// the layout and layer kinds every sequence of this engine carries (compact snapshots)
+    state_layout: Arc<(StateLayout, Vec<calla_model::LayerKind>)>,
     body: Vec<Launch>,
     head: Vec<Launch>,
     select_advance: Launch,
@@ -278,6 +280,7 @@ impl CudaBackend {
             model,
             scratch,
             selector,
+            state_layout: Arc::new((layout.clone(), spec.layers.clone())),
             layout,
             body,
             head,
@@ -556,9 +559,12 @@ fn cuda_sequence(seq: &mut dyn Sequence) -> Result<&mut CudaSequence> {
     if let Some(f) = seq.as_any().downcast_ref::<FailedSnapshot>() {
         return Err(anyhow!("this sequence is a snapshot that failed: {}", f.0));
     }
-    seq.as_any_mut()
+    let seq = seq
+        .as_any_mut()
         .downcast_mut::<CudaSequence>()
-        .ok_or_else(|| anyhow!("the sequence was not made by the cuda backend"))
+        .ok_or_else(|| anyhow!("the sequence was not made by the cuda backend"))?;
+    seq.make_full()?;
+    Ok(seq)
 }
 
 impl Backend for CudaBackend {
@@ -575,7 +581,10 @@ impl Backend for CudaBackend {
             .gpu
             .alloc(self.layout.bytes)
             .context("allocating a sequence's state")?;
-        Ok(Box::new(CudaSequence::new(state)?))
+        Ok(Box::new(CudaSequence::new(
+            state,
+            self.state_layout.clone(),
+        )?))
     }
 
     fn step(
