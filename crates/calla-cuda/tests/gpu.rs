@@ -23,3 +23,9 @@ mod pipeline;
 
 #[path = "gpu/dn_general.rs"]
 mod dn_general;
+
+#[path = "gpu/masked.rs"]
+mod masked;
+
+#[path = "gpu/snapshot.rs"]
+mod snapshot;

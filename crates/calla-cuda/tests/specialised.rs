@@ -1,4 +1,4 @@
-//! The decode kernels compiled for Qwen3.5/3.6's dims (docs/performance.md, session 18): the
+//! The decode kernels compiled for Qwen3.5/3.6's dims (docs/experiments.md): the
 //! launchers pick each copy for the real model's spec and the general kernel for other dims, and
 //! every name they pick for the real model is a kernel its .cu file defines (a renamed or removed
 //! copy would otherwise surface only when a GPU loads the module). That a copy computes what its

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
+use calla_engine::constraint::TokenMask;
 use calla_engine::{Backend, Selection, Sequence, TokenChoice};
 use calla_model::{ModelSpec, Weights};
 
@@ -67,8 +68,8 @@ pub struct CudaOptions {
     /// cache), per product group (prompt_precision.rs): balanced by default (f16 products on q4
     /// weights on Hopper, the DeltaNet in-projections split: within the parity tolerance, 1.45×
     /// split's speed at 8K), split everywhere (≈ f32: prompts agree with the f32 decode path and
-    /// the CPU reference to ~1e-5), half or fast everywhere (faster, less exact: docs/performance.md,
-    /// "Session 10", "Session 11"), or between, e.g. `PromptPrecision::MIXED` (routed experts fast).
+    /// the CPU reference to ~1e-5), half or fast everywhere (faster, less exact:
+    /// docs/experiments.md), or between, e.g. `PromptPrecision::MIXED` (routed experts fast).
     /// The MoE router always runs split.
     pub prompt_precision: PromptPrecision,
     /// Which kernel variants the launchers pick: the measured fastest by default;
@@ -157,6 +158,8 @@ pub struct CudaBackend {
     pub scratch: Scratch,
     pub selector: Selector,
     pub layout: StateLayout,
+    /// the layout and layer kinds every sequence of this engine carries (compact snapshots)
+    state_layout: Arc<(StateLayout, Vec<calla_model::LayerKind>)>,
     body: Vec<Launch>,
     head: Vec<Launch>,
     select_advance: Launch,
@@ -277,6 +280,7 @@ impl CudaBackend {
             model,
             scratch,
             selector,
+            state_layout: Arc::new((layout.clone(), spec.layers.clone())),
             layout,
             body,
             head,
@@ -427,9 +431,13 @@ impl CudaBackend {
         seq: &mut CudaSequence,
         tokens: &[u32],
         sel: &Selection,
+        allowed: Option<&TokenMask>,
     ) -> Result<usize> {
         self.check_tokens(seq, tokens)?;
-        self.selector.prepare(&self.gpu, sel)?;
+        match allowed {
+            Some(mask) => self.selector.prepare_masked(&self.gpu, sel, mask)?,
+            None => self.selector.prepare(&self.gpu, sel)?,
+        }
         let (prompt, last) = tokens.split_at(tokens.len() - 1);
         prompt::run_prompt_tokens(self, seq, prompt)?;
         let pos = seq.len + prompt.len();
@@ -551,9 +559,12 @@ fn cuda_sequence(seq: &mut dyn Sequence) -> Result<&mut CudaSequence> {
     if let Some(f) = seq.as_any().downcast_ref::<FailedSnapshot>() {
         return Err(anyhow!("this sequence is a snapshot that failed: {}", f.0));
     }
-    seq.as_any_mut()
+    let seq = seq
+        .as_any_mut()
         .downcast_mut::<CudaSequence>()
-        .ok_or_else(|| anyhow!("the sequence was not made by the cuda backend"))
+        .ok_or_else(|| anyhow!("the sequence was not made by the cuda backend"))?;
+    seq.make_full()?;
+    Ok(seq)
 }
 
 impl Backend for CudaBackend {
@@ -570,7 +581,10 @@ impl Backend for CudaBackend {
             .gpu
             .alloc(self.layout.bytes)
             .context("allocating a sequence's state")?;
-        Ok(Box::new(CudaSequence::new(state)?))
+        Ok(Box::new(CudaSequence::new(
+            state,
+            self.state_layout.clone(),
+        )?))
     }
 
     fn step(
@@ -580,6 +594,37 @@ impl Backend for CudaBackend {
         sel: &Selection,
     ) -> Result<TokenChoice> {
         self.step_pipelined(seq, tokens, sel, false)
+    }
+
+    fn supports_token_mask(&self) -> bool {
+        true
+    }
+
+    /// The mask goes to the device with the step (select.rs `prepare_masked`): the selection
+    /// launch chooses among the allowed tokens, as for any other request; no logits cross to the
+    /// host. Never runs ahead (the next mask depends on this token).
+    fn step_masked(
+        &mut self,
+        seq: &mut dyn Sequence,
+        tokens: &[u32],
+        sel: &Selection,
+        allowed: &TokenMask,
+    ) -> Result<TokenChoice> {
+        let seq = cuda_sequence(seq)?;
+        ensure!(!seq.ran_ahead, RAN_AHEAD);
+        self.settle()?;
+        let slot = self.start_step(seq, tokens, sel, Some(allowed))?;
+        let choice = self.collect(slot)?;
+        if let Some(c) = self.cursor_mirror.as_mut() {
+            c.token = choice.token as i32;
+        }
+        ensure!(
+            allowed.allows(choice.token),
+            "the constraint allows no token with a finite logit ({} allowed of {})",
+            allowed.count(),
+            allowed.len()
+        );
+        Ok(choice)
     }
 
     fn step_pipelined(
@@ -614,7 +659,7 @@ impl Backend for CudaBackend {
             f.slot
         } else {
             self.settle()?;
-            self.start_step(seq, tokens, sel)?
+            self.start_step(seq, tokens, sel, None)?
         };
         // The next step reads its token, position and selection state from the device, where this
         // step's selection leaves them: it can be queued before this step's token is known.

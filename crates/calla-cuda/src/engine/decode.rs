@@ -39,6 +39,9 @@ pub struct StateLayout {
     pub kv: KvDtype,
     /// bytes of one position's K and V over all attention layers
     pub kv_bytes_per_token: usize,
+    /// bytes of one position of one kv head's K (or V) cache: head_dim × the element size
+    pub kv_row_bytes: usize,
+    pub kv_heads: usize,
 }
 
 impl StateLayout {
@@ -72,7 +75,39 @@ impl StateLayout {
             max_ctx,
             kv,
             kv_bytes_per_token,
+            kv_row_bytes: spec.head_dim * kv.size(),
+            kv_heads: spec.num_key_value_heads,
         }
+    }
+
+    /// The regions a state of `len` positions occupies, as (offset in the full state, offset in
+    /// the compact one, bytes): each DeltaNet layer's conv ring and recurrent state whole, each
+    /// attention layer's K and V caches the first `len` positions of every kv head. A compact state
+    /// (a prefix-cache entry) holds exactly these, back to back.
+    pub fn regions(&self, spec_layers: &[LayerKind], len: usize) -> Vec<(usize, usize, usize)> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        for (i, kind) in spec_layers.iter().enumerate() {
+            let end = self.layers.get(i + 1).map_or(self.bytes, |l| l.0);
+            let (a, b) = self.layers[i];
+            match kind {
+                LayerKind::DeltaNet => {
+                    out.push((a, at, end - a));
+                    at += end - a;
+                }
+                LayerKind::Attention => {
+                    let head = self.max_ctx * self.kv_row_bytes;
+                    let used = len.min(self.max_ctx) * self.kv_row_bytes;
+                    for base in [a, b] {
+                        for h in 0..self.kv_heads {
+                            out.push((base + h * head, at, used));
+                            at += used;
+                        }
+                    }
+                }
+            }
+        }
+        out
     }
 }
 

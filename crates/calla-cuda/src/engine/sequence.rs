@@ -8,10 +8,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use anyhow::Result;
 use calla_engine::Sequence;
 
+use std::sync::Arc;
+
+use calla_model::LayerKind;
+
+use crate::engine::decode::StateLayout;
 use crate::runtime::gpu::{DPtr, DeviceBuffer};
 
 pub struct CudaSequence {
     pub(crate) state: DeviceBuffer,
+    /// the full layout (the backend's), and whether `state` is compact (`StateLayout::regions`
+    /// for `len` positions, back to back) rather than full
+    layout: Arc<(StateLayout, Vec<LayerKind>)>,
+    compact: bool,
     pub(crate) len: usize,
     /// unique per sequence made (a dropped sequence's memory may come back for a new one): what a
     /// step started ahead is matched on
@@ -31,27 +40,66 @@ impl CudaSequence {
         self.state.ptr
     }
 
-    pub(crate) fn new(state: DeviceBuffer) -> Result<CudaSequence> {
+    pub(crate) fn new(
+        state: DeviceBuffer,
+        layout: Arc<(StateLayout, Vec<LayerKind>)>,
+    ) -> Result<CudaSequence> {
         state.gpu().memset_zero(state.ptr, state.bytes)?;
         Ok(CudaSequence {
             state,
+            layout,
+            compact: false,
             len: 0,
             id: next_id(),
             ran_ahead: false,
         })
     }
 
+    /// Whether the state is a compact snapshot (only `step` on a full one).
+    pub fn is_compact(&self) -> bool {
+        self.compact
+    }
+
+    /// The copy: compact from a full state, full from a compact one.
     fn try_snapshot(&self) -> Result<CudaSequence> {
         let gpu = self.state.gpu().clone();
-        let copy = gpu.alloc(self.state.bytes)?;
-        gpu.dtod(copy.ptr, self.state.ptr, self.state.bytes)?;
+        let (layout, kinds) = &*self.layout;
+        let regions = layout.regions(kinds, self.len);
+        let copy = if self.compact {
+            let full = gpu.alloc(layout.bytes)?;
+            gpu.memset_zero(full.ptr, full.bytes)?;
+            for &(f, c, n) in &regions {
+                gpu.dtod(full.ptr.offset(f), self.state.ptr.offset(c), n)?;
+            }
+            full
+        } else {
+            let bytes = regions.iter().map(|r| r.2).sum::<usize>();
+            let compact = gpu.alloc(bytes)?;
+            for &(f, c, n) in &regions {
+                gpu.dtod(compact.ptr.offset(c), self.state.ptr.offset(f), n)?;
+            }
+            compact
+        };
         gpu.sync()?;
         Ok(CudaSequence {
             state: copy,
+            layout: self.layout.clone(),
+            compact: !self.compact,
             len: self.len,
             id: next_id(),
             ran_ahead: self.ran_ahead,
         })
+    }
+
+    /// Make a compact state full in place (the backend steps full states only).
+    pub(crate) fn make_full(&mut self) -> Result<()> {
+        if self.compact {
+            let mut full = self.try_snapshot()?;
+            std::mem::swap(&mut self.state, &mut full.state);
+            self.compact = false;
+            // `full` now holds the compact buffer and is dropped (after a stream sync) here
+        }
+        Ok(())
     }
 }
 

@@ -424,7 +424,7 @@ __device__ __forceinline__ void attn_issue_tile(u16* stage, const u16* kc, const
     const u32 ks = smem_addr(stage), vs = ks + ATTN_TILE * kp * 2;
     // K and V stream once per step and, past ~16K positions, exceed L2: their lines go first, so the
     // partials, the activations and the next kernels' inputs stay (32K: step 2,052 → 2,026 µs,
-    // docs/performance.md, session 8).
+    // docs/experiments.md).
     const u64 policy = l2_evict_first();
     for (int i = threadIdx.x; i < ATTN_TILE * cpr; i += ATTN_WARPS * 32) { // the bf16 kernels' 256 threads
         const int r = i / cpr, c = i - r * cpr; // a shift where Dh is a compile-time constant

@@ -36,7 +36,7 @@ __device__ __forceinline__ float bf16_hi(u32 pair) { return __uint_as_float(pair
 // Round to nearest even, NaN kept quiet (the hardware's canonical 0x7fff; torch writes 0x7fc0), one
 // conversion instruction. The integer form (x + 0x7fff + lsb, NaN tested first) rounds every other
 // value to the same bits but cost ~6 instructions per value, which made the decode kernels' input
-// staging a third of some kernels' instructions (Nsight Compute, docs/performance.md "Session 16");
+// staging a third of some kernels' instructions (Nsight Compute, docs/experiments.md);
 // GPUs before sm_80 lack the instruction and keep the integer form.
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800

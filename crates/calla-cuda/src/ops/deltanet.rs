@@ -133,7 +133,7 @@ pub fn decode_split(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo, split: u32) ->
 /// The decode step with [`SPLIT`] blocks per value head and no cluster, leaving w·o·silu(z) in
 /// `io.y` and after it the blocks' Σo² parts [Hv, SPLIT]: the out-projection finishes the gated
 /// RMSNorm in its prologue (matvec::matvec_head_norm). Where that applies it is the default
-/// (`CALLA_DN_NORM=deltanet` keeps the whole norm here, in a cluster).
+/// (without `KernelChoices::deltanet_norm_in_out_projection` the whole norm stays here, in a cluster).
 pub fn decode_parts(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo) -> Result<Launch> {
     check_dims(spec)?;
     if crate::ops::deltanet_general::decode_is_general(spec) {

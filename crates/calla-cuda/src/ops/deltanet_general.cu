@@ -12,19 +12,13 @@
 // o_j = S_j·q; α = exp(−exp(A_log)·softplus(a + dt_bias)), β = sigmoid(b). State S [Hv, Dv, Dk] f32
 // (the decode layout), conv ring [K, C] f32 (slot p mod K holds x[p]).
 //
-// Kernels (module "deltanet_general", loaded on demand; the launchers are deltanet.rs and
-// deltanet_prefill.rs):
+// Kernels (module "deltanet_general"; the launcher is deltanet_general.rs):
 //   dngen_decode        grid Hv, block 256: one decode step, one block per value head, the gated
 //                       RMSNorm in the block (what deltanet_decode_kplN computes).
 //   dngen_decode_parts  grid Hv·8, block 256: block b owns value columns [r·Dv/8, (r+1)·Dv/8) of head
 //                       b/8 (r = b mod 8) and leaves w·o·silu(z) in y and its Σo² at y[Hv·Dv + b]:
 //                       the out-projection finishes the norm (deltanet.cu's DN_OUT_PARTS layout).
-//   dngen_prefill_scan  grid (⌈Dv/8⌉, Hv), block 256: the prompt's delta rule token after token
-//                       (the recurrent form; the chunked one agrees up to rounding) on the output of
-//                       prefill_dn_conv (q, k already normalised, q scaled), warp w on value column
-//                       8·blockIdx.x + w, its state column in shared memory; o [T, Hv, Dv] for
-//                       prefill_dn_norm.
-// Dynamic shared memory (the launchers size it): decode 2·Dk + 2·Dv + 64 floats; scan 10·Dk floats.
+// Dynamic shared memory (the launchers size it): 2·Dk + 2·Dv + 64 floats.
 
 #define DNG_THREADS 256
 #define DNG_WARPS (DNG_THREADS / 32)
@@ -164,58 +158,6 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS) dngen_decode_parts(con
     dngen_decode_item<DNG_SPLIT, true>(p, blockIdx.x);
 }
 
-// ---------------------------------------------------------------- the prompt's delta rule, token by token
-struct DngScanParams {
-    u64 qkvc;          // [T, C] prefill_dn_conv's output: q, k normalised (q scaled), v = silu(conv)
-    u64 a, b;          // [T, Hv] f32
-    u64 a_log, dt_bias;// [Hv] f32
-    u64 state;         // S [Hv, Dv, Dk] f32, read and advanced
-    u64 o_out;         // [T, Hv, Dv]
-    int T, C, Hk, Hv, Dk, Dv;
-};
-
-extern "C" __global__ void __launch_bounds__(DNG_THREADS) dngen_prefill_scan(const DngScanParams p) {
-    const int Dk = p.Dk, Dv = p.Dv, h = blockIdx.y, kh = h / (p.Hv / p.Hk);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int j = blockIdx.x * DNG_WARPS + warp; // this warp's value column
-    const bool live = j < Dv;
-    float* q_s = dng_sm;                  // [Dk]
-    float* k_s = q_s + Dk;                // [Dk]
-    float* s_col = k_s + Dk + warp * Dk;  // [8][Dk]: warp w's state column
-    float* state = (float*)p.state + ((i64)h * Dv + j) * Dk;
-    if (live)
-        for (int e = lane; e < Dk; e += 32) s_col[e] = state[e];
-    const float* x = (const float*)p.qkvc;
-    const i64 q_col = (i64)kh * Dk, k_col = (i64)p.Hk * Dk + (i64)kh * Dk, v_col = 2 * (i64)p.Hk * Dk + (i64)h * Dv;
-    const float a_log = ((const float*)p.a_log)[h], dt_bias = ((const float*)p.dt_bias)[h];
-    float* o_out = (float*)p.o_out;
-    for (int t = 0; t < p.T; ++t) {
-        const float* row = x + (i64)t * p.C;
-        __syncthreads(); // the previous token's q/k are no longer read
-        for (int e = tid; e < Dk; e += DNG_THREADS) { q_s[e] = row[q_col + e]; k_s[e] = row[k_col + e]; }
-        __syncthreads();
-        if (!live) continue;
-        const i64 r = (i64)t * p.Hv + h;
-        const float g = -expf(a_log) * dng_softplus(((const float*)p.a)[r] + dt_bias);
-        const float alpha = expf(g), beta = sigmoid_f(((const float*)p.b)[r]);
-        const float v = row[v_col + j];
-        float kv = 0.0f;
-        for (int e = lane; e < Dk; e += 32) kv = fmaf(s_col[e] * alpha, k_s[e], kv);
-        kv = warp_sum(kv);
-        const float delta = (v - kv) * beta;
-        float o = 0.0f;
-        for (int e = lane; e < Dk; e += 32) {
-            const float s = fmaf(k_s[e], delta, s_col[e] * alpha);
-            s_col[e] = s; // lane e mod 32 alone reads and writes entry e
-            o = fmaf(s, q_s[e], o);
-        }
-        o = warp_sum(o);
-        if (lane == 0) o_out[r * Dv + j] = o;
-    }
-    if (live)
-        for (int e = lane; e < Dk; e += 32) state[e] = s_col[e];
-}
 
 // Layouts shared with the Rust launchers.
 static_assert(sizeof(DngParams) == 128, "DngParams layout differs from its Rust twin (deltanet::DeltaNetParams)");
-static_assert(sizeof(DngScanParams) == 80, "DngScanParams layout differs from its Rust twin");

@@ -5,9 +5,10 @@
 //!   other Dk or Dv (1 to [`MAX_DIM`]) takes `dngen_decode` (one block per value head, the gated
 //!   norm in the block) or `dngen_decode_parts` (8 blocks per head and the norm's Σo² parts, for the
 //!   out-projection's head-norm prologue) — see [`decode_is_general`].
-//! - Prompt: deltanet_prefill.cu's chunked kernels need Dk ≤ 128 and Dk, Dv multiples of 4; other
-//!   dims run its conv, ring and norm kernels around `dngen_prefill_scan`, the delta rule token
-//!   after token ([`prefill_is_general`], deltanet_prefill::prefill_core_general).
+//! - Prompt: deltanet_prefill.cu's chunked kernels need Dk ≤ 128, Dv ≤ 256 and both multiples of 4;
+//!   prompts of other dims run token by token through the decode chain ([`prefill_is_general`],
+//!   engine/backend/prompt.rs). (A token-by-token prompt scan kernel failed the engine parity at
+//!   Dk 18, Dk 256 and Dv 320 on the H200 and was not kept: docs/experiments.md.)
 //!
 //! The kernels read every dim from their parameters (one small module, compiled with the others
 //! and cached).
@@ -16,14 +17,12 @@ use anyhow::{ensure, Result};
 use calla_model::ModelSpec;
 
 use crate::ops::deltanet::{self, DeltaNetIo};
-use crate::runtime::gpu::{DPtr, Gpu, Launch};
+use crate::runtime::gpu::{Gpu, Launch};
 
 /// Largest key or value head dim of the general kernels (prefill_dn_conv's tile of 64 rows of
 /// max(Dk, Dv) + 1 floats must fit in shared memory).
 pub const MAX_DIM: usize = 512;
 const THREADS: u32 = 256;
-/// value columns per block of `dngen_prefill_scan` (its warps)
-const SCAN_COLS: usize = 8;
 
 /// Whether `spec`'s DeltaNet head dims are outside what deltanet.cu's kernels are compiled for
 /// (Dk ∈ {32, 64, 128, 256}, Dv ≤ 256): then the decode step runs the general kernels.
@@ -31,8 +30,8 @@ pub fn decode_is_general(spec: &ModelSpec) -> bool {
     !matches!(spec.linear_key_head_dim, 32 | 64 | 128 | 256) || spec.linear_value_head_dim > 256
 }
 
-/// Whether the prompt's DeltaNet core runs the general scan: the chunked kernels take Dk ≤ 128 and
-/// Dv ≤ 256, both multiples of 4 (deltanet_prefill::check_dims).
+/// Whether prompts must run token by token through the decode chain: the chunked prompt kernels
+/// take Dk ≤ 128 and Dv ≤ 256, both multiples of 4 (deltanet_prefill::check_dims).
 pub fn prefill_is_general(spec: &ModelSpec) -> bool {
     let (dk, dv) = (spec.linear_key_head_dim, spec.linear_value_head_dim);
     !(dk <= 128 && dv <= 256 && dk.is_multiple_of(4) && dv.is_multiple_of(4))
@@ -79,73 +78,6 @@ pub fn decode_parts(gpu: &Gpu, spec: &ModelSpec, io: &DeltaNetIo) -> Result<Laun
         (spec.linear_num_value_heads as u32 * deltanet::SPLIT, 1, 1),
         THREADS,
         decode_smem(spec),
-        &p,
-    )
-}
-
-/// `dngen_prefill_scan`'s parameters (the kernel's DngScanParams).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct DngScanParams {
-    pub qkvc: u64,
-    pub a: u64,
-    pub b: u64,
-    pub a_log: u64,
-    pub dt_bias: u64,
-    pub state: u64,
-    pub o_out: u64,
-    pub t: i32,
-    pub c: i32,
-    pub hk: i32,
-    pub hv: i32,
-    pub dk: i32,
-    pub dv: i32,
-}
-
-/// The prompt's delta rule for `t` tokens, token after token: conv output `qkvc` `[T, C]` (q, k
-/// normalised), gate inputs `a`, `b` `[T, Hv]`, the state S `[Hv, Dv, Dk]` advanced in place, o
-/// `[T, Hv, Dv]` out.
-#[allow(clippy::too_many_arguments)]
-pub fn prefill_scan(
-    gpu: &Gpu,
-    spec: &ModelSpec,
-    t: usize,
-    qkvc: DPtr,
-    a: DPtr,
-    b: DPtr,
-    a_log: DPtr,
-    dt_bias: DPtr,
-    state: DPtr,
-    o: DPtr,
-) -> Result<Launch> {
-    check_head_dims(spec.linear_key_head_dim, spec.linear_value_head_dim)?;
-    ensure!(t > 0, "DeltaNet prefill scan: no tokens");
-    let (dk, dv, hv) = (
-        spec.linear_key_head_dim,
-        spec.linear_value_head_dim,
-        spec.linear_num_value_heads,
-    );
-    let p = DngScanParams {
-        qkvc: qkvc.0,
-        a: a.0,
-        b: b.0,
-        a_log: a_log.0,
-        dt_bias: dt_bias.0,
-        state: state.0,
-        o_out: o.0,
-        t: t as i32,
-        c: spec.linear_conv_dim() as i32,
-        hk: spec.linear_num_key_heads as i32,
-        hv: hv as i32,
-        dk: dk as i32,
-        dv: dv as i32,
-    };
-    Launch::new(
-        gpu,
-        "dngen_prefill_scan",
-        (dv.div_ceil(SCAN_COLS) as u32, hv as u32, 1),
-        THREADS,
-        ((2 + SCAN_COLS) * dk * 4) as u32,
         &p,
     )
 }
@@ -207,7 +139,7 @@ mod tests {
     #[test]
     fn the_launched_kernels_exist() {
         let src = crate::runtime::kernels::DELTANET_GENERAL.source;
-        for name in ["dngen_decode", "dngen_decode_parts", "dngen_prefill_scan"] {
+        for name in ["dngen_decode", "dngen_decode_parts"] {
             let def = format!(" {name}(const ");
             assert!(
                 src.lines()
@@ -218,7 +150,5 @@ mod tests {
     }
 
     #[test]
-    fn scan_parameters_match_the_kernel() {
-        assert_eq!(std::mem::size_of::<DngScanParams>(), 80);
-    }
+    fn scan_parameters_match_the_kernel() {}
 }

@@ -2,7 +2,7 @@
 // the chunked (UT/WY) form, f32 or near-f32 throughout (the state must agree with the decode
 // kernel's): the chunk transform and the recurrence on tensor cores in 3xbf16 (mma.cuh) where
 // Dk % 16 == 0, Dv % 8 == 0 and Dk + Dv ≤ 256 (prefill_dn_chunk_tc, prefill_dn_states,
-// prefill_dn_out), else, or with CALLA_DN_SCAN=simt, on CUDA cores in f32 (prefill_dn_chunk,
+// prefill_dn_out), else on CUDA cores in f32 (prefill_dn_chunk,
 // prefill_dn_scan).
 //
 // Math (CPU reference: calla_cpu::deltanet, `DeltaNet::forward` with Rule::Chunked, and

@@ -228,9 +228,6 @@ pub fn prefill_core(
     t: usize,
     io: &DeltaNetPrefillIo,
 ) -> Result<Vec<Launch>> {
-    if crate::ops::deltanet_general::prefill_is_general(spec) {
-        return prefill_core_general(gpu, spec, p0, t, io);
-    }
     check_dims(spec)?;
     ensure!(t > 0, "DeltaNet prefill: no tokens");
     ensure!(
@@ -420,119 +417,6 @@ pub fn prefill_core(
         &norm,
     )?);
     Ok(out)
-}
-
-/// [`prefill_core`] for head dims the chunked kernels do not take
-/// ([`deltanet_general::prefill_is_general`](crate::ops::deltanet_general::prefill_is_general)): the
-/// same conv, ring and norm kernels around the token-by-token scan of deltanet_general.cu (the
-/// scratch's w, u, aqk, gcum and h are not used). Also callable for any other dims (tests).
-pub fn prefill_core_general(
-    gpu: &Gpu,
-    spec: &ModelSpec,
-    p0: usize,
-    t: usize,
-    io: &DeltaNetPrefillIo,
-) -> Result<Vec<Launch>> {
-    let (hk, hv, dk, dv) = (
-        spec.linear_num_key_heads,
-        spec.linear_num_value_heads,
-        spec.linear_key_head_dim,
-        spec.linear_value_head_dim,
-    );
-    crate::ops::deltanet_general::check_head_dims(dk, dv)?;
-    ensure!(
-        hk > 0 && hv % hk == 0,
-        "DeltaNet prefill: {hv} value heads over {hk} key heads"
-    );
-    ensure!(
-        (1..=MAX_K).contains(&spec.linear_conv_kernel_dim),
-        "DeltaNet prefill supports conv kernels of 1..={MAX_K} taps (got {})",
-        spec.linear_conv_kernel_dim
-    );
-    ensure!(t > 0, "DeltaNet prefill: no tokens");
-    ensure!(
-        io.y.ld == spec.linear_value_dim(),
-        "DeltaNet prefill: output stride {}",
-        io.y.ld
-    );
-    let (c, k) = (spec.linear_conv_dim(), spec.linear_conv_kernel_dim);
-    let nc = t.div_ceil(CHUNK);
-    let (ti, ci, p0i) = (t as i32, c as i32, p0 as i32);
-    let conv = DnConvParams {
-        qkv: io.qkv.0,
-        conv_w: io.conv_w.0,
-        ring: io.conv_ring.0,
-        out: io.conv_out.0,
-        t: ti,
-        p0: p0i,
-        c: ci,
-        k: k as i32,
-        hk: hk as i32,
-        hv: hv as i32,
-        dk: dk as i32,
-        dv: dv as i32,
-        q_scale: (dk as f32).powf(-0.5),
-        pad: 0,
-    };
-    let width = dk.max(dv);
-    let ring = DnRingParams {
-        qkv: io.qkv.0,
-        ring: io.conv_ring.0,
-        t: ti,
-        p0: p0i,
-        c: ci,
-        k: k as i32,
-    };
-    let norm = DnNormParams {
-        o: io.o.0,
-        z: io.z.0,
-        norm_w: io.norm_w.0,
-        out_hi: io.y.hi.0,
-        out_lo: io.y.lo.0,
-        t: ti,
-        hv: hv as i32,
-        dv: dv as i32,
-        eps: spec.rms_norm_eps,
-        out_f16: io.y.f16.0,
-    };
-    Ok(vec![
-        Launch::new(
-            gpu,
-            "prefill_dn_conv",
-            (nc as u32, (2 * hk + hv) as u32, 1),
-            128,
-            (CHUNK * (width + 1) * 4) as u32,
-            &conv,
-        )?,
-        Launch::new(
-            gpu,
-            "prefill_dn_ring",
-            (c.div_ceil(256) as u32, k as u32, 1),
-            256,
-            0,
-            &ring,
-        )?,
-        crate::ops::deltanet_general::prefill_scan(
-            gpu,
-            spec,
-            t,
-            io.conv_out,
-            io.a,
-            io.b,
-            io.a_log,
-            io.dt_bias,
-            io.state,
-            io.o,
-        )?,
-        Launch::new(
-            gpu,
-            "prefill_dn_norm",
-            ((t * hv).div_ceil(8) as u32, 1, 1),
-            256,
-            0,
-            &norm,
-        )?,
-    ])
 }
 
 #[cfg(test)]

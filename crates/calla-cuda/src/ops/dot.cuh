@@ -13,7 +13,7 @@ __host__ __device__ __forceinline__ int xpad_len(int n) { return n + (((n + 31) 
 // issued back to back before the first use.
 // Weights are read once per step and never reused by the SM that reads them, so their lines are
 // not kept in L1 (no_allocate): measured +3% decode at 4K against plain ld.global.nc (329.7 → 339.9
-// tok/s, docs/performance.md "Session 3"); ld.global.cg (L2 only) measured no better than .nc.
+// tok/s, docs/experiments.md); ld.global.cg (L2 only) measured no better than .nc.
 #define WEIGHT_LD ld.global.nc.L1::no_allocate
 #define WEIGHT_LD_STR2(x) #x
 #define WEIGHT_LD_STR(x) WEIGHT_LD_STR2(x)
@@ -358,7 +358,7 @@ __device__ __forceinline__ float cluster_load_f32(const float* local, u32 rank) 
 }
 #endif
 
-// Programmatic dependent launch (graph.rs, CALLA_PDL): a kernel launched with it may start while
+// Programmatic dependent launch (graph.rs): a kernel launched with it may start while
 // the previous kernel in the stream still runs. griddep_wait() returns once that kernel (and so,
 // transitively, every earlier one) has finished and its writes are visible: call it before reading
 // or writing anything the previous kernel touches. griddep_launch_dependents() lets the next kernel
@@ -401,7 +401,7 @@ __device__ __forceinline__ void wait_until_at_least(u64 addr, u64 target) {
 // Block-wide arrival at a u32 ticket that `count` blocks reach in this launch: true, in every thread,
 // in the last block to arrive, which then sees the writes every block made before its arrival. The
 // barrier orders the block's writes before thread 0's fence, which publishes them (cooperative
-// groups' grid-sync pattern; a fence in every thread measured 0.4 µs slower per launch, session 9).
+// groups' grid-sync pattern; a fence in every thread measured 0.4 µs slower per launch).
 // The caller resets the ticket for the next launch.
 __device__ __forceinline__ bool block_arrive_last(unsigned* ticket, unsigned count) {
     __shared__ int last;

@@ -51,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(MTC_THREADS, 2) matvec_tc_q4_c2_s1(
 // so the first of equal values is kept), leaves its warp-0 merge as a partial and takes a ticket; the
 // last block merges the partials and publishes the token as select_token would (publish_token), so the
 // decode graph for plain greedy needs no selection launch (its boundary and its 6.7 µs, of which 3.3
-// before the logits arrive: docs/performance.md, session 20). The token is select_token's (the same total
+// before the logits arrive: docs/experiments.md). The token is select_token's (the same total
 // order over the same logits); the log-probability's sum is in another order (rounding).
 #define GREEDY_HEAD_MAX_BLOCKS 1024
 struct GreedyHeadParams {

@@ -20,7 +20,7 @@
 // block's rows came in passes that each waited for their own DRAM round trip after the x̂ prologue.
 // Measured on the real in-projection (12,352 × 2048, 14.2 MB): 14.8 µs,
 // of which ~5 µs arithmetic, against 4.4 µs for a kernel that only streams the same bytes
-// (docs/performance.md, "Session 5"). Here the products are mma.sync m16n8k16 (~1 instruction per
+// (docs/experiments.md). Here the products are mma.sync m16n8k16 (~1 instruction per
 // weight, the dequantisation), and each warp issues the loads of its first NB tiles at once (and
 // refills a tile's registers as soon as it is done), right after x has arrived and Σx² is reduced:
 // issued before x, they made x's L2 requests wait ~4 µs behind ~100 KB of weight requests per SM
@@ -438,7 +438,7 @@ struct MatvecMapT {
             sc[c] = 1.0f / sqrtf(__shfl_sync(0xffffffffu, v, 8 * c) / (float)head_dim + p.eps);
     }
     // Row r of tile t. Addresses by 32 × 32 → 64-bit multiply-adds (a row's bytes, K/2, and its index
-    // fit 32 bits): the i64 products were ~9 instructions per address (Nsight Compute, session 17).
+    // fit 32 bits): the i64 products were ~9 instructions per address (Nsight Compute).
     __device__ void locate(int row, int& seg, int& local) const {
         if constexpr (NS > 0) {
             constexpr int B1 = R0, B2 = R0 + R1, B3 = R0 + R1 + R2;
@@ -527,9 +527,9 @@ __device__ __forceinline__ void tc_body(const Map& map) {
     // real shape 244 of the DeltaNet's 264 blocks and 48 of attention's have a third tile; not
     // lm_head's ~59) ask L2 for it at entry, one thread per 128-byte line (row tid / 16, line tid % 16:
     // 4·CW lines of codes, then the row's parameters); its load, issued once the first tile is
-    // computed, then finds it there. Step at 4K −7…−14 µs (docs/performance.md, session 19), where
+    // computed, then finds it there. Step at 4K −7…−14 µs (docs/experiments.md), where
     // the same prefetch issued with the first tiles' loads had measured +0.4 µs per in-projection
-    // (session 8). Measured and not kept (session 19): gate/up's shared-expert refill tiles (known
+    //. Measured and not kept: gate/up's shared-expert refill tiles (known
     // before the routing) prefetched at entry (gate/up +3.5 µs, the step within noise) or after the
     // routing (+1.7 µs; lab code in 9d30573); lm_head's refill tile too (−0.3 µs) and the second
     // tile too (+15.6 µs; lab code in b0c5a84).
@@ -630,12 +630,12 @@ __device__ __forceinline__ void tc_body(const Map& map) {
         const float ss = x_times_gain();
         // When the weight loads are issued. The K = 2048 products with fixed rows (in-projections,
         // lm_head): by each thread once its own x has arrived (Σx² depends on it; an empty volatile
-        // asm keeps the loads after it), the block's Σx² after — step −21 µs (session 7). The others
+        // asm keeps the loads after it), the block's Σx² after — step −21 µs. The others
         // (the K = 4096 out-projections): after the block's Σx², whose barrier also waits for
         // every warp's x — issued per thread they took 0.3–0.4 µs longer. Never before x has arrived:
-        // behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive (session 5); issued right
+        // behind ~100 KB of weight requests per SM, x took ~4.5 µs to arrive; issued right
         // behind x's requests without waiting for them, the in-projections took 10.7 → 11.9 µs and the
-        // out-projections 6.5 → 7.7 (session 9).
+        // out-projections 6.5 → 7.7.
         constexpr bool warp_issue = CW == 2;
         if constexpr (warp_issue) {
             asm volatile("" ::"f"(ss));

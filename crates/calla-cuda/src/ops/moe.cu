@@ -39,7 +39,7 @@ struct RouterParams {
     u64 topk_ids;    // out [A] i32
     u64 topk_w;      // out [A] f32
     u64 shared_w;    // out [1] f32: sigmoid(shared gate logit), 1 without a gate
-    u64 counter;     // u32 ticket, 0 between launches; or 0: no selection here (matvec_tc.cu's gate/up selects)
+    u64 counter;     // u32 ticket, 0 between launches; or 0: no selection here (moe_tc.cu's gate/up selects)
     int D, E, A, norm_topk, group_size;
     float eps;
 };
@@ -119,7 +119,7 @@ __device__ __forceinline__ void router_body(const RouterParams& p) {
     if (blockIdx.x == 0)
         for (int i = threadIdx.x; i < p.D; i += blockDim.x) ((float*)p.xn)[i] = xs[xpad(i)];
     router_rows<FMT>(p, xs, usum, blockIdx.x, gate_block);
-    // Without a ticket the tensor-core gate/up selects, in every block (matvec_tc.cu): the logits
+    // Without a ticket the tensor-core gate/up selects, in every block (moe_tc.cu): the logits
     // are all this kernel leaves.
     if (!p.counter) return;
     // The last block to finish selects (one block of 256 threads).
@@ -172,7 +172,7 @@ __device__ __forceinline__ void gate_up_body(const GateUpParams& p) {
                           F::AFFINE ? p.group_size / F::W : 1, (float*)p.act + (i64)slot * p.act_stride);
 }
 
-// DownParams (shared with matvec_tc.cu): common.cuh.
+// DownParams (shared with moe_tc.cu): common.cuh.
 
 #define DOWN_ROWS 2 // output rows per warp
 #define DOWN_UNITS 5 // units per row in flight per lane: 9 slots × 16 q4 units fit one pass of 32 lanes

@@ -88,7 +88,7 @@ pub fn route_acc_words(e: usize) -> usize {
 
 pub use crate::ops::matvec::RouteTail;
 
-/// The tensor-core gate/up's parameters (matvec_tc.cu TcGateUpParams): with `route.logits` set,
+/// The tensor-core gate/up's parameters (moe_tc.cu TcGateUpParams): with `route.logits` set,
 /// every block selects the top-k itself and the router runs without its ticket.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -204,7 +204,7 @@ fn gate_up_launch(
     let nslots = slots.1 - slots.0;
     let n = i.max(is);
     if tensor_core_gate_up(engine, d, routed.map(|r| r.0), shared) {
-        // matvec_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
+        // moe_tc.cu: tiles of 8 (gate, up) row pairs, spread over a grid of about the
         // blocks that fit at once
         let name = gate_up_kernel(gpu.choices().compiled_copies, d, i, is, a, route.as_ref());
         let smem = (4 * d + d / 16) as u32;
@@ -286,7 +286,7 @@ pub fn down_kernel(
     }
 }
 
-/// Whether the gate/up products run on matvec_tc.cu (q4 in groups of 64, D 1024·{1, 2, 4}).
+/// Whether the gate/up products run on moe_tc.cu (q4 in groups of 64, D 1024·{1, 2, 4}).
 fn tensor_core_gate_up(
     engine: DotEngine,
     d: usize,
@@ -299,7 +299,7 @@ fn tensor_core_gate_up(
         && shared.is_none_or(tensor_core_format)
 }
 
-/// Chunks of 128 columns the tensor-core down kernel takes (matvec_tc.cu: 8 warps ×
+/// Chunks of 128 columns the tensor-core down kernel takes (moe_tc.cu: 8 warps ×
 /// MTC_DOWN_CHUNKS).
 const TC_DOWN_CHUNKS: usize = 40;
 
@@ -340,7 +340,7 @@ fn down_launch(
         route_acc_len: clear.map(|c| c.1).unwrap_or(0) as i32,
         pad: 0,
     };
-    // matvec_tc.cu: the slots' rows as one virtual row of chunks of 128 columns, at most
+    // moe_tc.cu: the slots' rows as one virtual row of chunks of 128 columns, at most
     // TC_DOWN_CHUNKS of them (9 slots of 512 in the real model: 36)
     let q4_tc = |m: &DevMatrix| tensor_core_format(m) && m.cols.is_multiple_of(128);
     let n_routed = a.min(slots.1).saturating_sub(slots.0);
@@ -416,7 +416,7 @@ pub fn router_launch(gpu: &Gpu, w: &MoeWeightsRef, io: &MoeIo, selects: bool) ->
     let width = crate::ops::matvec::lanes_per_row(d / w.router.format.per_unit());
     // Without the ticket the router is its rows only: blocks of 128 threads spread them over twice
     // the blocks (33 instead of 17 at the real shape: 5.2 → 5.0 µs per launch; 64 threads were
-    // slower, 5.5; docs/performance.md, session 7). The staged input then holds ≤ 8·4·128 columns
+    // slower, 5.5; docs/experiments.md). The staged input then holds ≤ 8·4·128 columns
     // (common.cuh stage_input); the selecting router's last block needs all 256 threads.
     let threads = if !selects && d <= 8 * 4 * 128 && width <= 128 {
         128
@@ -502,7 +502,7 @@ fn shared_same_format(w: &MoeWeightsRef) -> Option<bool> {
 }
 
 /// Whether the top-k is taken in every block of the tensor-core gate/up (it runs the routed experts;
-/// the router then needs no ticket: docs/performance.md, session 6), not in the router's last block.
+/// the router then needs no ticket: docs/experiments.md), not in the router's last block.
 fn gate_up_selects(w: &MoeWeightsRef, engine: DotEngine, router: RouterPlacement) -> bool {
     let first_shared = w
         .shared

@@ -7,7 +7,7 @@
 // 0–7) and the up rows j0..j0+7 (rows 8–15) of one slot, so row sums r and r + 8 make act[j0 + r].
 // With r.logits set, each block first takes the top-A of the router logits itself (common.cuh
 // route_select; block 0 also publishes the ids and combine weights for the down kernel), so the router
-// kernel needs no ticket and no last block. Measured at 4K (docs/performance.md, session 6): router
+// kernel needs no ticket and no last block. Measured at 4K (docs/experiments.md): router
 // 7.9 → 5.2 µs (ticket path with the same selection), this kernel 8.1 → 10.2 µs; −0.6 µs per layer.
 struct __align__(16) GateUpSelect { // shared memory of the selection (sl read as float4)
     float sl[MOE_MAX_E];
@@ -59,7 +59,7 @@ struct GateUpMapT {
     // candidates' barrier, `mid` after it); ends with a barrier that publishes the selected experts
     // and what `mid` wrote. Without a selection here: pre, barrier, mid, barrier. The body stages x̂
     // in the hooks rather than after the selection with barriers of its own: 7 block barriers between
-    // the routing sums and the weight loads became 2 (docs/performance.md, session 12).
+    // the routing sums and the weight loads became 2 (docs/experiments.md).
     template <typename Pre, typename Mid>
     __device__ void prologue_staged(const Pre& pre, const Mid& mid) const {
         if (r.logits) {
@@ -77,7 +77,7 @@ struct GateUpMapT {
     // Rows g and g + 8 of tile t: gate row j and up row j of its slot's expert, n rows apart. The slot
     // by div_small, the row as a 32-bit index (< E·2I) and each address by one 32 × 32 → 64-bit
     // multiply-add: the i64 row products, the integer division and the indexed parameter loads of
-    // the general form were ~120 instructions per tile (Nsight Compute, session 17).
+    // the general form were ~120 instructions per tile (Nsight Compute).
     __device__ void tile_rows(int t, int g, const u8* (&data)[2], const u8* (&prm)[2]) const {
         const int s = FI && FI == FIS ? t / per_slot() : div_small(t, per_slot()), slot = s + p.slot_offset;
         const bool routed = slot < A();
@@ -97,7 +97,7 @@ struct GateUpMapT {
     // The down launch's weights for this step's experts (and the shared expert's), asked of L2 by
     // every block for its share of the lines (~160 at the real shape: 5.2 MB per layer), after the
     // block's first tile (every slot in this launch, I == Is: one line count per slot). Step at 4K
-    // −9 µs (docs/performance.md, session 19), though MoE down itself is no faster one launch at a
+    // −9 µs (docs/experiments.md), though MoE down itself is no faster one launch at a
     // time; at the blocks' end instead: the same step.
     __device__ void prefetch_down() const {
         if (!down_e.data || !r.logits || p.slot_offset != 0 || I() != Is() || slots() != A() + (down_s.data ? 1 : 0)) return;
@@ -189,7 +189,7 @@ __device__ __forceinline__ void tc_down_body(const DownParams& p) {
     // The slots' activations (from L2), every load of the thread at once, with the slots' experts and
     // weights (their addresses depend on the slot index only) and the residual; weighted once the
     // slots are in. The old loop weighted each iteration's values before the next iteration's loads
-    // were issued (nvdisasm): three serial L2 round trips. Down 7.0 → 6.5 µs (session 9).
+    // were issued (nvdisasm): three serial L2 round trips. Down 7.0 → 6.5 µs.
     constexpr int WPT = (CWMAX * 8 * 16 + MTC_THREADS - 1) / MTC_THREADS;
     const int words = chunks * 16;
     float4 act[WPT][2];

@@ -116,8 +116,7 @@ impl PromptPrecision {
     /// Half everywhere but the DeltaNet in-projections, which run split: the cheapest mix that
     /// passes `scripts/gpu-parity.sh` whole. (Half alone misses the tiny mlx4 fixture's prefill
     /// rows at 2.4× the tolerance; split DeltaNet in-projections alone bring it to 0.43×, the
-    /// attention in-projections or the other groups alone do not: docs/performance.md,
-    /// "Session 11".)
+    /// attention in-projections or the other groups alone do not: docs/experiments.md.)
     pub const BALANCED: PromptPrecision = PromptPrecision {
         deltanet_in: S,
         ..PromptPrecision::HALF

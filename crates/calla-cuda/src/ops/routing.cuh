@@ -2,7 +2,7 @@
 // the router inside the out-projection (matvec_tc.cu) with gate/up selecting (moe_tc.cu).
 
 // ---------------------------------------------------------------- MoE routing (top-A of the router logits)
-// Shared by moe.cu's ticket router (its last block selects) and matvec_tc.cu's gate/up (every block
+// Shared by moe.cu's ticket router (its last block selects) and moe_tc.cu's gate/up (every block
 // selects for itself, so the router needs no ticket).
 #define MOE_MAX_E 1024
 #define ROUTE_MAX_CAND (MOE_MAX_E / 32 * MOE_MAX_A) // candidates of select_top's second round
@@ -27,7 +27,7 @@ struct RouteParams {
 // so each block of the out-projection that finishes rows [16t, 16t + 16) of h adds its columns' share
 // of every router row (and of the shared-expert gate row, and of Σh²) into accumulators, and the
 // router needs no launch of its own: the gate/up kernel reads the sums and scales them by inv
-// (docs/performance.md, session 8). The sums are integers (fixed point: logits·2^32, Σh²·2^20) so
+// (docs/experiments.md). The sums are integers (fixed point: logits·2^32, Σh²·2^20) so
 // that they are exact and independent of the order the blocks arrive in — the same logits every
 // run, ties included. Tile t adds into copy t % ROUTE_COPIES (fewer atomics per address).
 //   acc: i64 [ROUTE_COPIES][route_acc_stride(E)]: [0, E) logits, E the shared-expert gate, E + 1 Σh².
@@ -70,12 +70,12 @@ __device__ __forceinline__ void route_acc_clear(const DownParams& p) {
 // cand: shared [SEL_CAND_LEN] keys (sel_key), 16-byte aligned. Ends with a barrier.
 //   sel_id[k], sel_l[k] = the k-th expert and its logit.
 // Thread t reads and writes only the logits e ≡ t (mod blockDim) before the first round, so a segment
-// of 32 is a warp's own (blockDim % 32 == 0): the first round needs no block barrier (session 12).
+// of 32 is a warp's own (blockDim % 32 == 0): the first round needs no block barrier.
 // Hooks for a caller's own work between the barriers (gate/up stages x̂ there, so that its products
 // need no barriers of their own): `pre` runs in every thread before the candidates' barrier (what it
 // writes to shared memory is published by it), `mid` after it, before the last barrier.
 // The second round compares (logit, id) keys: 4 instructions per compare where the float compare
-// with the id's tie-break took 6 (Nsight Compute, session 17). The first round keeps its float compares
+// with the id's tie-break took 6 (Nsight Compute). The first round keeps its float compares
 // with the lane's tie-break: counting by compare masks with the ties from one warp match was slower
 // (gate/up +0.5 µs per launch, measured; that MATCH.ANY is the slow part is our reading).
 #define SEL_CAND_LEN (ROUTE_MAX_CAND + 8)
@@ -164,7 +164,7 @@ __device__ __forceinline__ float route_load_logits(const RouteParams& r, float* 
         const int stride = route_acc_stride(E);
         // The thread's first logit, the gate's (thread 0) and Σh² requested together: one L2 round
         // trip (the code had Σh²'s loads, then inv, then the logits' loads: two; gate/up 10.9 → 10.5
-        // µs, session 9). More logits per thread than one (E > blockDim) follow in a loop.
+        // µs). More logits per thread than one (E > blockDim) follow in a loop.
         const int e0 = threadIdx.x;
         const i64 first = e0 < E ? route_acc_sum(acc, stride, e0) : 0;
         const i64 gate = r.shared_gate && threadIdx.x == 0 ? route_acc_sum(acc, stride, E) : 0;

@@ -37,8 +37,7 @@
 // publishes. The general path computes the same through its shared-memory arrays, a second pass for
 // the sum, block barriers for the lists it would rank, and a 256-thread last block reading the
 // partials field by field: 15.0 µs from the first warp's entry to the result at V = 248,320 (clock
-// stamps), 11.6 µs per launch in the no-graph profile, against 6.7 for this path (docs/performance.md,
-// session 19). The token is the general path's (the same total order); the log-probability's sum is
+// stamps), 11.6 µs per launch in the no-graph profile, against 6.7 for this path (docs/experiments.md). The token is the general path's (the same total order); the log-probability's sum is
 // in another order (rounding). (GreedyAcc and its merges: common.cuh. Where lm_head runs on the
 // tensor cores, the decode graph for plain greedy has no selection launch at all: lm_head takes the
 // same path itself, matvec_tc.cu `matvec_tc_q4_c2_s1_greedy`.)
@@ -122,7 +121,7 @@ __device__ __forceinline__ void select_greedy(const SelectParams& p, const Selec
 }
 
 extern "C" __global__ void __launch_bounds__(SEL_THREADS) select_token(const SelectParams p) {
-// Labs pricing the launch itself in the decode graph (docs/performance.md, session 20):
+// Labs pricing the launch itself in the decode graph (docs/experiments.md):
     extern __shared__ float sm[];
     // two arrays of `arr` floats: a block's values, then the merged candidates / draw tiles
     const int arr = max(max(p.chunk, (int)gridDim.x * SEL_MAX_CAND), max((int)gridDim.x * SEL_MAX_LOGPROBS, (int)blockDim.x + 1));

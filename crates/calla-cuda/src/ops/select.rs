@@ -2,6 +2,7 @@
 //! plus the device-side state it reads: the per-request configuration and the penalty tables.
 
 use anyhow::{bail, ensure, Result};
+use calla_engine::constraint::TokenMask;
 use calla_engine::{Selection, TokenChoice};
 
 use crate::runtime::gpu::{DPtr, Gpu, Launch};
@@ -185,6 +186,9 @@ pub struct Selector {
     subtree: Option<i32>,
     config_mirror: Option<SelectConfig>,
     bias_mirror: Vec<(u32, f32)>,
+    /// the device's bias table also holds a token mask (−∞ for the disallowed ids): the next
+    /// unmasked selection uploads its own table
+    bias_masked: bool,
     /// (prompt, generated) the penalty tables reflect
     penalty_mirror: Option<(Vec<u32>, Vec<u32>)>,
 }
@@ -222,6 +226,7 @@ impl Selector {
             subtree,
             config_mirror: None,
             bias_mirror: Vec::new(),
+            bias_masked: false,
             penalty_mirror: None,
         })
     }
@@ -325,14 +330,52 @@ impl Selector {
             gpu.htod(self.config, std::slice::from_ref(&config))?;
             self.config_mirror = Some(config);
         }
-        if p.logit_bias != self.bias_mirror {
-            let mut dense = vec![0f32; self.vocab];
-            for (id, b) in &p.logit_bias {
-                dense[*id as usize] += b;
-            }
-            gpu.htod(self.bias, &dense)?;
+        if p.logit_bias != self.bias_mirror || self.bias_masked {
+            gpu.htod(self.bias, &self.dense_bias(&p.logit_bias))?;
             self.bias_mirror = p.logit_bias.clone();
+            self.bias_masked = false;
         }
+        self.prepare_penalties(gpu, sel, config)
+    }
+
+    /// [`prepare`](Self::prepare), choosing only among the tokens `allowed`: the mask travels in
+    /// the logit-bias table as −∞ for every disallowed id (added to the raw logit first; the
+    /// penalties keep −∞, so this is the reference's "−∞ after the adjustments"), uploaded for
+    /// every masked step. Log-probabilities stay those of the raw logits.
+    pub fn prepare_masked(
+        &mut self,
+        gpu: &Gpu,
+        sel: &Selection,
+        allowed: &TokenMask,
+    ) -> Result<()> {
+        let mut config = self.config_for(sel)?;
+        config.use_bias = 1;
+        if self.config_mirror != Some(config) {
+            gpu.htod(self.config, std::slice::from_ref(&config))?;
+            self.config_mirror = Some(config);
+        }
+        let mut dense = self.dense_bias(&sel.params.logit_bias);
+        allowed.apply(&mut dense);
+        gpu.htod(self.bias, &dense)?;
+        self.bias_mirror = sel.params.logit_bias.clone();
+        self.bias_masked = true;
+        self.prepare_penalties(gpu, sel, config)
+    }
+
+    fn dense_bias(&self, bias: &[(u32, f32)]) -> Vec<f32> {
+        let mut dense = vec![0f32; self.vocab];
+        for (id, b) in bias {
+            dense[*id as usize] += b;
+        }
+        dense
+    }
+
+    fn prepare_penalties(
+        &mut self,
+        gpu: &Gpu,
+        sel: &Selection,
+        config: SelectConfig,
+    ) -> Result<()> {
         if config.use_seen != 0 || config.use_counts != 0 {
             if !self.penalties_current(sel) {
                 self.rebuild_penalties(gpu, sel.prompt, sel.generated)?;
@@ -350,6 +393,7 @@ impl Selector {
         let config = self.config_for(sel)?;
         let penalties = config.use_seen != 0 || config.use_counts != 0;
         Ok(self.config_mirror == Some(config)
+            && !self.bias_masked
             && sel.params.logit_bias == self.bias_mirror
             && (!penalties || self.penalties_current(sel)))
     }

@@ -126,7 +126,7 @@ __device__ __forceinline__ void radix_choose_digit(const int* hist, int shift, R
 // first pass whose chosen bucket is taken whole (distinct keys: ≤ 8 passes, ~3 for real values);
 // the chosen are those whose key, masked to the digits decided, is ≥ the decided prefix, and a rank
 // count orders them. The same set and order as W rounds of a block-wide best, which this replaced
-// (a block reduction per round: ~0.3 ms per token for the blocks' lists and their merge, session 14).
+// (a block reduction per round: ~0.3 ms per token for the blocks' lists and their merge).
 __device__ __noinline__ int block_top_radix(const float* vals, const int* ids, int id_base, int count, int W, int* out_ids,
                                            float* out_vals) {
     __shared__ int hist[256];

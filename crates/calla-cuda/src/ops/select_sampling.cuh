@@ -12,8 +12,7 @@
 // candidates' arrays, free by then): heap [2·NG] (heap[NG + g] = group g's sum, heap[k] = heap[2k] +
 // heap[2k + 1], heap[1] the root), ties [NG] (ids at vstar before group g), mini [2·GS] (one group's
 // subtree for the descent). Before (session 13 and earlier) the sums were sequential in id order, one
-// thread over the whole vocabulary: ~28 ms per sampled token at V = 248K (docs/performance.md,
-// session 14).
+// thread over the whole vocabulary: ~28 ms per sampled token at V = 248K (docs/experiments.md).
 #define TREE_MAX_G 8
 #define TREE_BATCH 4 // groups whose logits a warp requests at once (the loads are L2 round trips)
 struct TreeShape { int G, GS, NG; };
@@ -295,7 +294,7 @@ __device__ __noinline__ void gather_lists(const SelectParams& p, float* vals, in
 // ---------------------------------------------------------------- sampling on the whole grid
 // With SelectParams.sub_log2 > 0 a sampled token is drawn by every block of the launch, not by the
 // last one alone (which took ~0.35 ms over the 248K ids at temperature 1, ~10 ms for a nucleus beyond
-// the candidates: docs/performance.md, session 15). The weight tree's N leaves are NSUB = N / S
+// the candidates: docs/experiments.md). The weight tree's N leaves are NSUB = N / S
 // subtrees of S = 2^sub_log2 ids; block b < NSUB owns subtree b, its thread t the SUB_L = S / 256
 // consecutive ids from b·S + t·SUB_L (so a subtree's pairwise sums are: in the thread, across lanes
 // by xor shuffles, across the 8 warps in shared memory: the reference's nodes exactly). The phases,
@@ -475,8 +474,7 @@ __device__ __forceinline__ float grid_row_sum(const SelectParams& p, int row, in
 // the grid: each 8-bit pass histograms every block's keys, the histograms meet in global memory and
 // every block adds them (bin t by thread t, in block order) after a barrier; then each block appends
 // its chosen keys to one list, and after a barrier every block rank-sorts it. It replaced each block's
-// own top 64 and every block's merge of the 61 lists (~35 µs at top-k 40: docs/performance.md,
-// session 15).
+// own top 64 and every block's merge of the 61 lists (~35 µs at top-k 40: docs/experiments.md).
 __device__ __noinline__ int grid_top_candidates(const SelectParams& p, const float* zs, int L, int first_id, int nfin,
                                                 int W, int* out_ids, float* out_vals) {
     __shared__ int hist[256];

@@ -64,9 +64,9 @@ impl StepGraph {
 /// Programmatic dependent launch inside the decode graph (a kernel's blocks may start while its
 /// predecessor's last blocks run, and wait in `griddep_wait()`): by default for the K = 2048
 /// tensor-core matvecs only (Qwen3.6-35B-A3B's in-projections and lm_head), which follow the MoE down
-/// kernel, whose one block per SM leaves room for theirs: step −16 µs at 4K (docs/performance.md,
-/// session 13). Other widths are not measured and launch as before.
-/// For every kernel it was slower each way it was built (sessions 5, 7, 13: +343 µs), and per kernel
+/// kernel, whose one block per SM leaves room for theirs: step −16 µs at 4K (docs/experiments.md).
+/// Other widths are not measured and launch as before. For every kernel it was slower each way it
+/// was built (+343 µs), and per kernel
 /// class it was neutral (gate/up, attention) or slower (down +112 µs, the out-projections +55…+63,
 /// DeltaNet +15), each where the kernel before fills the SMs' registers.
 const PROGRAMMATIC_BY_DEFAULT: [&str; 1] = ["matvec_tc_q4_c2"];

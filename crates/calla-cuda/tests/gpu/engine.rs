@@ -343,7 +343,7 @@ fn greedy_head_matches_the_selection_launch() {
 }
 
 /// The decode kernels compiled for Qwen3.5/3.6's dims (attention, DeltaNet, gate/up, down, the
-/// out- and in-projections: docs/performance.md, sessions 18–19) against the general kernels they were made
+/// out- and in-projections: docs/experiments.md) against the general kernels they were made
 /// from, on the same random real-dims model: the second backend is built with
 /// `KernelChoices::general()`. Same operations in the same order, so every token and every
 /// log-probability must be equal to the bit.

@@ -1187,7 +1187,7 @@ fn top_k_of(logits: &[f32], a: usize, norm_topk: bool) -> Vec<(usize, f32)> {
         .collect()
 }
 
-/// Both places the top-k is taken (the router's last block after a ticket, `CALLA_ROUTER=ticket`;
+/// Both places the top-k is taken (the router's last block after a ticket, `RouterPlacement::Ticket`;
 /// every block of the tensor-core gate/up, the default) select exactly the CPU's top-k from the
 /// router's logits, with exact ties at the k-th place: the router's rows are made identical in
 /// threes, so every logit comes three times and the 8th place always falls inside a triple, where the

@@ -185,7 +185,7 @@ fn selection_matches_the_reference_sampler() {
             // (and with it a draw) can differ. Known, documented in docs/cuda-parity.md.
             // The drift grows with the terms summed: at V = 300,000 (spread-1 logits, ~270K ids in
             // the nucleus) 7 of 12 draws agreed, the others landing within a few ids of the
-            // reference's (session 15); at 248,320, 9 or more.
+            // reference's; at 248,320, 9 or more.
             let approximate = name.contains("large nucleus") && v > 10_000;
             let required = if !approximate {
                 total

@@ -54,7 +54,10 @@ pub fn run_prompt_tokens(
     if tokens.is_empty() {
         return Ok(());
     }
-    if backend.prompt_chunk == 0 {
+    // Token by token through the decode chain when asked (prompt_chunk 0) or where the chunked
+    // DeltaNet prompt kernels do not take the head dims.
+    if backend.prompt_chunk == 0 || crate::ops::deltanet_general::prefill_is_general(backend.spec())
+    {
         for (i, &t) in tokens.iter().enumerate() {
             backend.set_cursor(seq, seq.len + i, t)?;
             backend.run_token()?;
