@@ -122,7 +122,7 @@ async fn tool_use_and_tool_result_round_trip() {
     let m = post(server.addr, MESSAGES, &any).await.json();
     let uses: Vec<&Json> = m["content"]
         .as_array()
-        .unwrap()
+        .unwrap_or_else(|| panic!("no content: {m}"))
         .iter()
         .filter(|b| b["type"] == "tool_use")
         .collect();

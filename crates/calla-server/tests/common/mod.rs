@@ -118,7 +118,9 @@ impl Sequence for History {
         self.0.len()
     }
     fn snapshot(&self) -> Box<dyn Sequence> {
-        Box::new(History(self.0.clone(), self.1))
+        // The prompt boundary belongs to the request: a prefix-cache entry restored for another
+        // request learns its own at that request's first forward_logits.
+        Box::new(History(self.0.clone(), None))
     }
     fn byte_size(&self) -> usize {
         4 * self.0.len() + 64
