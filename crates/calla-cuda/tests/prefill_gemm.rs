@@ -1,7 +1,7 @@
 //! gemm.cu against the CPU reference: every weight format in both precisions at odd prompt sizes,
 //! the epilogues (accumulate, SwiGLU → planes, gather, per-row scale), the RMSNorm/embedding row
 //! kernels, and the real layer shapes. Run on a GPU: `cargo test --release -p calla-cuda --test
-//! prefill_gemm -- --ignored --nocapture` (scripts/gpu-prefill.sh).
+//! prefill_gemm -- --ignored --nocapture` (scripts/gpu-parity.sh runs it).
 
 mod prefill_support;
 

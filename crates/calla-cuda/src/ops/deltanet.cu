@@ -158,12 +158,10 @@ __device__ __forceinline__ void dn_columns(float* S, int Dk, const int* js, int 
 
 // What a decode item leaves in y:
 //   DN_OUT_NORMED  the gated RMSNorm of o (Σo² over the head through the cluster when SPLIT > 1);
-//   DN_OUT_RAW     o (the persistent layer, decode_layer.cu, norms it in the out-projection's prologue);
 //   DN_OUT_PARTS   w·o·silu(z), and after y's Hv·Dv values the block's Σo² over its own columns at
 //                  Hv·Dv + item: the out-projection (matvec_tc.cu, TcMatvecParams) sums a head's SPLIT
 //                  parts and scales. No cluster: its barrier cost 1.8 µs of the kernel's 6.8 (measured).
 #define DN_OUT_NORMED 0
-#define DN_OUT_RAW 1
 #define DN_OUT_PARTS 2
 // Work item `item` = (value head item / SPLIT, column block item % SPLIT).
 // CK, DV, RATIO: the conv taps, the value head dim and Hv / Hk as compile-time constants (a
@@ -292,12 +290,6 @@ __device__ __forceinline__ void deltanet_decode_item(const DeltaNetParams& p, in
         dn_columns<KPL, 1>(S, Dk, &j, n, s1, kr, qr, alpha, beta, v_s, o_s, lane);
     }
     __syncthreads();
-    if (OUT == DN_OUT_RAW) {
-        if (tid < n) ((float*)p.y)[(i64)h * Dv + j0 + tid] = o_s[tid];
-        __syncthreads(); // the shared arrays are reused by the block's next item
-        return;
-    }
-
     // 5. gated RMSNorm: y = w · o/√(mean(o²) + eps) · silu(z), Σo² over all Dv columns of the head.
     const float o_t = tid < n ? o_s[tid] : 0.0f;
     float sumsq = block_sum(o_t * o_t, red); // n ≤ DN_THREADS: one column per thread
