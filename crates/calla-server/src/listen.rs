@@ -212,16 +212,14 @@ impl<S> WriteTimeout<S> {
         }
     }
 
-    /// A response head no request was dispatched for: hyper's own error. Its JSON twin.
-    fn replace_hyper_error(&mut self, buf: &[u8]) -> Option<Vec<u8>> {
-        // Not a head, or an interim 1xx (100 Continue) that comes before its request's head.
-        if !buf.starts_with(b"HTTP/1.") || buf.get(9) == Some(&b'1') {
-            return None;
-        }
-        self.heads += 1;
-        if self.heads <= self.dispatched.load(Ordering::SeqCst) {
-            return None;
-        }
+    /// Whether `buf` starts a final response head (not an interim 1xx such as 100 Continue, which
+    /// comes before its request's head).
+    fn is_response_head(buf: &[u8]) -> bool {
+        buf.starts_with(b"HTTP/1.") && buf.get(9) != Some(&b'1')
+    }
+
+    /// The JSON twin of hyper's own error response whose head starts `buf`.
+    fn hyper_error_body(buf: &[u8]) -> Option<Vec<u8>> {
         let line_end = buf.windows(2).position(|w| w == b"\r\n")?;
         let status_line = std::str::from_utf8(&buf[..line_end]).ok()?;
         let code: u16 = status_line.split_whitespace().nth(1)?.parse().ok()?;
@@ -288,8 +286,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteTimeout<S> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        if self.replacement.is_none() {
-            if let Some(bytes) = self.replace_hyper_error(buf) {
+        // A head is counted once its bytes are taken (hyper offers the same buffer again after a
+        // pending write); one no request was dispatched for is hyper's own error.
+        let head = self.replacement.is_none() && Self::is_response_head(buf);
+        if head && self.heads + 1 > self.dispatched.load(Ordering::SeqCst) {
+            if let Some(bytes) = Self::hyper_error_body(buf) {
+                self.heads += 1;
                 self.replacement = Some((bytes, 0));
             }
         }
@@ -312,7 +314,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteTimeout<S> {
             }
         }
         let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.track(cx, poll)
+        let poll = self.track(cx, poll);
+        if head && matches!(poll, Poll::Ready(Ok(n)) if n > 0) {
+            self.heads += 1;
+        }
+        poll
     }
 
     // Not vectored: hyper then hands each response over as one buffer starting with its head,
