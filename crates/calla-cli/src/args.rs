@@ -88,6 +88,9 @@ GROUP=fast|split|half|auto overrides, comma-separated, GROUP one of deltanet-in,
 mixer-in (both), mixer-out, mixer, experts-gate-up, experts-down, experts, shared (e.g. \
 mixed,shared=auto). The MoE router is always split";
 
+/// The environment variable `--prompt-precision` also reads (the engine itself reads none).
+pub const PROMPT_PRECISION_ENV: &str = "CALLA_PROMPT_PRECISION";
+
 /// The engine and its options (the CUDA ones are ignored by the CPU engine).
 #[derive(Debug, Clone, Copy, Default, clap::Args)]
 pub struct DeviceArgs {
@@ -98,7 +101,7 @@ pub struct DeviceArgs {
     /// reference to rounding).
     #[arg(long, value_enum, default_value_t = KvCache::default())]
     pub kv_cache: KvCache,
-    #[arg(long, env = calla_cuda::ops::prompt_precision::ENV, default_value = "balanced", help = PROMPT_PRECISION_HELP)]
+    #[arg(long, env = PROMPT_PRECISION_ENV, default_value = "balanced", help = PROMPT_PRECISION_HELP)]
     pub prompt_precision: PromptPrecision,
     /// CUDA: the GPU is shared with other processes through MPS (its SMs partitioned among them):
     /// use the kernels whose blocks never wait for each other (attention's ticketed merge, the
@@ -268,7 +271,7 @@ mod tests {
         assert_eq!(a.sampling, SamplingArgs::default());
         assert_eq!(a.cache.max_context, None);
         assert_eq!(a.cache.prefix_cache_mb, 4096);
-        if std::env::var_os(calla_cuda::ops::prompt_precision::ENV).is_none() {
+        if std::env::var_os(PROMPT_PRECISION_ENV).is_none() {
             assert_eq!(a.device.prompt_precision, PromptPrecision::default());
         }
     }

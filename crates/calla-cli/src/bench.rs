@@ -414,7 +414,7 @@ mod tests {
         assert!(err.to_string().contains("mixed"), "{err}");
         // without the flag: balanced (the engine's default too), unless CALLA_PROMPT_PRECISION
         // says otherwise
-        if std::env::var_os(calla_cuda::ops::prompt_precision::ENV).is_none() {
+        if std::env::var_os(crate::args::PROMPT_PRECISION_ENV).is_none() {
             let a = parse(&[]).expect("parses");
             assert_eq!(a.device.prompt_precision, PromptPrecision::BALANCED);
             assert_eq!(a.device.prompt_precision, PromptPrecision::default());

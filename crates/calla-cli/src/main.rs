@@ -43,10 +43,10 @@ fn main() -> std::process::ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    // An empty CALLA_PROMPT_PRECISION means "unset" to the engine (PromptPrecision::from_env);
+    // An empty CALLA_PROMPT_PRECISION means "unset" (the flag's default, balanced);
     // clap would reject it as an empty value, so it goes before parsing (still single-threaded).
-    if std::env::var_os(calla_cuda::ops::prompt_precision::ENV).is_some_and(|v| v.is_empty()) {
-        std::env::remove_var(calla_cuda::ops::prompt_precision::ENV);
+    if std::env::var_os(crate::args::PROMPT_PRECISION_ENV).is_some_and(|v| v.is_empty()) {
+        std::env::remove_var(crate::args::PROMPT_PRECISION_ENV);
     }
     let cli = Cli::parse();
     let result = match cli.command {

@@ -26,9 +26,6 @@ use std::str::FromStr;
 
 use crate::ops::weights::Format;
 
-/// The environment variable the CLI's `--prompt-precision` flag also reads (the library reads none).
-pub const ENV: &str = "CALLA_PROMPT_PRECISION";
-
 /// Which products a prompt GEMM runs (gemm.rs's module header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Precision {

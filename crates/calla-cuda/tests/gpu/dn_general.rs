@@ -14,8 +14,7 @@ use calla_cuda::ops::deltanet::{self, DeltaNetIo};
 use calla_cuda::ops::deltanet_general;
 use calla_cuda::runtime::pool::Arena;
 use calla_cuda::{CudaBackend, CudaOptions, KvDtype};
-use calla_engine::sampling::SamplingParams;
-use calla_engine::{Backend, Selection, TokenChoice};
+use calla_engine::Backend;
 use calla_model::load::Quant;
 use calla_model::{Family, LayerKind, MixerWeights, ModelSpec, Weights};
 
@@ -351,38 +350,6 @@ fn dn_general_decode_layer_against_cpu() {
         );
     }
     assert!(all);
-}
-
-fn log_softmax(l: &[f32]) -> Vec<f32> {
-    let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let lse = m + l.iter().map(|v| (v - m).exp()).sum::<f32>().ln();
-    l.iter().map(|v| v - lse).collect()
-}
-
-/// Greedy decode: the prompt, then `steps` tokens fed back one at a time.
-fn greedy(be: &mut dyn Backend, prompt: &[u32], steps: usize) -> Vec<TokenChoice> {
-    let params = SamplingParams::greedy();
-    let mut seq = be.new_sequence().unwrap();
-    let mut out: Vec<TokenChoice> = Vec::new();
-    let mut generated: Vec<u32> = Vec::new();
-    for step in 0..steps {
-        let tokens: Vec<u32> = if step == 0 {
-            prompt.to_vec()
-        } else {
-            vec![*generated.last().unwrap()]
-        };
-        let sel = Selection {
-            params: &params,
-            prompt,
-            generated: &generated,
-            step: step as u64,
-            top_logprobs: 5,
-        };
-        let c = be.step(seq.as_mut(), &tokens, &sel).unwrap();
-        generated.push(c.token);
-        out.push(c);
-    }
-    out
 }
 
 /// The prompt's log-probabilities and a greedy run on both engines (CUDA with prompts in chunks of

@@ -182,3 +182,39 @@ pub fn with_kernel_choices<T>(choices: KernelChoices, f: impl FnOnce() -> T) -> 
     gpu().set_choices(KernelChoices::default());
     out
 }
+
+pub fn log_softmax(l: &[f32]) -> Vec<f32> {
+    let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m + l.iter().map(|v| (v - m).exp()).sum::<f32>().ln();
+    l.iter().map(|v| v - lse).collect()
+}
+
+/// Greedy decode: the prompt, then `steps` tokens fed back one at a time.
+pub fn greedy(
+    be: &mut dyn calla_engine::Backend,
+    prompt: &[u32],
+    steps: usize,
+) -> Vec<calla_engine::TokenChoice> {
+    let params = calla_engine::sampling::SamplingParams::greedy();
+    let mut seq = be.new_sequence().unwrap();
+    let mut out: Vec<calla_engine::TokenChoice> = Vec::new();
+    let mut generated: Vec<u32> = Vec::new();
+    for step in 0..steps {
+        let tokens: Vec<u32> = if step == 0 {
+            prompt.to_vec()
+        } else {
+            vec![*generated.last().unwrap()]
+        };
+        let sel = calla_engine::Selection {
+            params: &params,
+            prompt,
+            generated: &generated,
+            step: step as u64,
+            top_logprobs: 5,
+        };
+        let c = be.step(seq.as_mut(), &tokens, &sel).unwrap();
+        generated.push(c.token);
+        out.push(c);
+    }
+    out
+}
