@@ -52,6 +52,17 @@ pub struct TokenChoice {
     pub top: Vec<(u32, f32)>,
 }
 
+/// One row of a batched step ([`Backend::step_batch`]): a sequence, the tokens it runs at its
+/// position (one for a decoding sequence; a prompt chunk may join the step) and how the row chooses
+/// its next token. The rows of one step are distinct sequences.
+pub struct BatchRow<'a> {
+    pub seq: &'a mut dyn Sequence,
+    pub tokens: &'a [u32],
+    pub sel: Selection<'a>,
+    /// Choose only among these tokens (constrained decoding); None: unconstrained.
+    pub mask: Option<&'a TokenMask>,
+}
+
 pub trait Backend: Send {
     fn spec(&self) -> &ModelSpec;
     /// "cpu", "cuda:0 (NVIDIA H200)", … for logs.
@@ -101,6 +112,27 @@ pub trait Backend: Send {
     ) -> anyhow::Result<TokenChoice> {
         let logits = self.forward_logits(seq, tokens)?;
         crate::sampling::select_token_masked(&logits, sel, Some(allowed))
+    }
+    /// Rows one [`Backend::step_batch`] call runs together at best (1: the backend has no batched
+    /// step; `step_batch` then runs its rows one after the other). A scheduler may pass more rows;
+    /// the backend splits them.
+    fn max_batch(&self) -> usize {
+        1
+    }
+    /// One step for several sequences: each row's tokens through the model at its sequence's
+    /// position, and each row's next token chosen with its own selection (and mask). Row `i`'s
+    /// result is the token `step` (or `step_masked`) would choose for it alone: exactly on
+    /// backends whose batched arithmetic is the one-row arithmetic (the CPU reference), within the
+    /// backend's parity tolerance on the logits elsewhere. Never runs ahead; a sequence that ran
+    /// ahead (`step_pipelined`) must have taken its pending step before it joins a batch. The
+    /// default runs the rows one after the other.
+    fn step_batch(&mut self, rows: &mut [BatchRow<'_>]) -> anyhow::Result<Vec<TokenChoice>> {
+        rows.iter_mut()
+            .map(|row| match row.mask {
+                Some(mask) => self.step_masked(&mut *row.seq, row.tokens, &row.sel, mask),
+                None => self.step(&mut *row.seq, row.tokens, &row.sel),
+            })
+            .collect()
     }
     /// Run `tokens` and return the raw f32 logits of the last position. For parity tests, tools and
     /// host-side constrained selection.

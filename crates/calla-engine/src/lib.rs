@@ -8,6 +8,6 @@ pub mod prefix_cache;
 pub mod sampling;
 pub mod scheduler;
 
-pub use backend::{Backend, Selection, Sequence, TokenChoice};
+pub use backend::{Backend, BatchRow, Selection, Sequence, TokenChoice};
 pub use constraint::{TokenConstraint, TokenMask};
 pub use sampling::SamplingParams;
